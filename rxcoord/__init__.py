@@ -1,0 +1,41 @@
+"""rxcoord: coordinate concurrent work on RxPY (reactivex).
+
+Layers, each built on the ones before it:
+
+1. :func:`serialize_by_key` - per-key ordered processing, keys in parallel, no per-key leak.
+
+rxcoord logs with loguru and, as a library, is silent until you call
+``loguru.logger.enable("rxcoord")``.
+"""
+
+from loguru import logger as _logger
+
+from ._errors import (
+    CoordinatorClosed,
+    LeaseError,
+    LeaseLost,
+    LeaseReleasedError,
+    LeaseStoreUnavailable,
+    LockTimeout,
+    RxcoordError,
+    TooManyTasks,
+)
+from .operators import serialize_by_key
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CoordinatorClosed",
+    "LeaseError",
+    "LeaseLost",
+    "LeaseReleasedError",
+    "LeaseStoreUnavailable",
+    "LockTimeout",
+    "RxcoordError",
+    "TooManyTasks",
+    "__version__",
+    "serialize_by_key",
+]
+
+# A library must not print unless asked to: users opt in with logger.enable("rxcoord").
+_logger.disable("rxcoord")
