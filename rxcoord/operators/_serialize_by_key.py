@@ -46,7 +46,7 @@ _R = TypeVar("_R")
 _NO_CAP: Final = sys.maxsize
 
 
-class _Finished:
+class _Finished(abc.DisposableBase):
     """Marker stored in ``_Lane.sub`` once the lane's inner has terminated."""
 
     __slots__ = ()
