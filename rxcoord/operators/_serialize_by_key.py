@@ -125,7 +125,7 @@ def serialize_by_key(
     return operator
 
 
-class _Lane(Generic[_T, _R]):
+class _Lane(abc.ObserverBase[_R], Generic[_T, _R]):
     """One key's current inner (active, or ready and waiting for a slot) and its queue.
 
     A lane is also the observer of its inner. When the inner completes and items are queued,
@@ -142,14 +142,20 @@ class _Lane(Generic[_T, _R]):
         self.pending: deque[_T] | None = None  # items of this key queued behind this one
         self.sub: abc.DisposableBase | None = None  # None until subscribed, then _FINISHED
 
+    # The lane is the inner's auto-detaching observer (see _subscribe_inner): after its
+    # terminal notification it ignores whatever a misbehaving inner still sends.
+
     def on_next(self, value: _R) -> None:
-        self.sink.emit(value)
+        if self.sub is not _FINISHED:
+            self.sink.emit(value)
 
     def on_error(self, error: Exception) -> None:
-        self.sink.fail(error)
+        if self.sub is not _FINISHED:
+            self.sink.fail(error)
 
     def on_completed(self) -> None:
-        self.sink.lane_completed(self)
+        if self.sub is not _FINISHED:
+            self.sink.lane_completed(self)
 
 
 class _Trampoline(threading.local):
@@ -260,6 +266,7 @@ class _Sink(Generic[_T, _R]):
         with self._lock:
             if self._done:
                 return
+            finished = lane.sub  # its subscription, if subscribe() has returned already
             lane.sub = _FINISHED
             self._active -= 1
             pending = lane.pending
@@ -276,6 +283,8 @@ class _Sink(Generic[_T, _R]):
                 self._active += 1
             elif self._source_done and not self._lanes:
                 deliver = self._terminate(_COMPLETED)
+        if finished is not None:
+            finished.dispose()
         if start is not None:
             self._start(start)
         elif deliver:
@@ -314,13 +323,28 @@ class _Sink(Generic[_T, _R]):
         except Exception as exc:
             self.fail(exc)
             return
-        sub = inner.subscribe(lane, scheduler=self._scheduler)
-        with self._lock:
-            if not self._done:
-                if lane.sub is None:  # still running: keep the handle for disposal
-                    lane.sub = sub
+        if type(inner).subscribe is Observable.subscribe:
+            # Observable.subscribe wraps every subscription in an AutoDetachObserver and a pass
+            # through the CurrentThreadScheduler trampoline; that is most of the per-item cost.
+            # The lane already detaches itself, and _start is our trampoline, so subscribe the
+            # core directly (about 2.5x faster per item) and do AutoDetachObserver's work here.
+            try:
+                sub = inner._subscribe_core(lane, self._scheduler)
+            except Exception as exc:
+                if lane.sub is _FINISHED or not self.fail(exc):
+                    raise  # not the inner's failure: e.g. the observer raised (see emit)
                 return
-        sub.dispose()  # disposed or failed while we were subscribing
+            if not isinstance(sub, abc.DisposableBase):
+                sub = Disposable(sub if callable(sub) else None)
+        else:
+            sub = inner.subscribe(lane, scheduler=self._scheduler)
+        with self._lock:
+            if not self._done and lane.sub is None:  # still running: keep it for disposal
+                lane.sub = sub
+                return
+        # The inner terminated while we subscribed (release it, as AutoDetachObserver would), or
+        # the whole subscription was disposed or failed meanwhile.
+        sub.dispose()
 
     # -- downstream --------------------------------------------------------------------------
 
@@ -339,16 +363,18 @@ class _Sink(Generic[_T, _R]):
             raise
         self._deliver()
 
-    def fail(self, error: Exception) -> None:
+    def fail(self, error: Exception) -> bool:
+        """Terminate with ``error``; False if the subscription had already ended."""
         with self._lock:
             if self._done:
-                return
+                return False
             deliver = self._terminate(error)
             lanes = self._close()
         self._dispose_lanes(lanes)
         self._source_sub.dispose()
         if deliver:
             self._deliver()
+        return True
 
     def _terminate(self, terminal: object) -> bool:
         """Record the terminal notification (lock held); True if the caller must deliver it."""
