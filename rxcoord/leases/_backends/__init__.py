@@ -1,0 +1,1 @@
+"""Lease store backends: each implements the three atomic primitives of ``LeaseProvider``."""

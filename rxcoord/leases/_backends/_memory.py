@@ -1,0 +1,122 @@
+"""In-process leases: the reference implementation of the contract, for tests and one process.
+
+The store is a dict guarded by a lock; its clock (``time.monotonic`` unless given) decides
+expiry. Every release goes through the store, so it wakes waiters of every provider attached to
+it directly: the hub is authoritative and nobody polls. Tokens live as long as the store object.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from .._base import LeaseProvider
+from .._notify import WaitHub
+
+__all__ = ["MemoryLeaseStore", "MemoryLeases"]
+
+
+class _Record:
+    __slots__ = ("least", "released", "token", "until")
+
+    def __init__(self) -> None:
+        self.token = 0
+        self.until = float("-inf")
+        self.least = float("-inf")
+        self.released = False
+
+
+class MemoryLeaseStore:
+    """A lease store in this process's memory, shareable by several :class:`MemoryLeases`.
+
+    Args:
+        clock: Seconds on a monotonic clock; the store's clock decides expiry. Pass a fake
+            clock to test expiry logic without sleeping (waiting still uses real time).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._records: dict[str, _Record] = {}
+        self._hubs: weakref.WeakSet[WaitHub] = weakref.WeakSet()
+
+    def attach(self, hub: WaitHub) -> None:
+        with self._lock:
+            self._hubs.add(hub)
+
+    def detach(self, hub: WaitHub) -> None:
+        with self._lock:
+            self._hubs.discard(hub)
+
+    def try_grant(self, name: str, most: float, least: float) -> tuple[int, float]:
+        with self._lock:
+            now = self.clock()
+            record = self._records.get(name)
+            if record is None:
+                record = self._records[name] = _Record()
+            elif record.until > now:
+                return 0, record.until - now
+            record.token += 1
+            record.until = now + most
+            record.least = now + least
+            record.released = False
+            return record.token, 0.0
+
+    def extend(self, name: str, token: int, most: float) -> bool:
+        with self._lock:
+            now = self.clock()
+            record = self._records.get(name)
+            if record is None or not _owned(record, token, now):
+                return False
+            record.until = max(record.least, now + most)
+            return True
+
+    def release(self, name: str, token: int) -> bool:
+        with self._lock:
+            now = self.clock()
+            record = self._records.get(name)
+            if record is None or not _owned(record, token, now):
+                return False
+            record.until = max(record.least, now)
+            record.released = True
+            hubs = list(self._hubs)
+        for hub in hubs:
+            hub.notify(name)
+        return True
+
+
+def _owned(record: _Record, token: int, now: float) -> bool:
+    return record.token == token and not record.released and record.until > now
+
+
+class MemoryLeases(LeaseProvider):
+    """Leases held in this process: the contract without a server (tests, single process).
+
+    Args:
+        store: The store to use; providers given the same store compete for the same names.
+            A new private store by default.
+    """
+
+    backend = "memory"
+
+    def __init__(self, store: MemoryLeaseStore | None = None) -> None:
+        self.store = store if store is not None else MemoryLeaseStore()
+        hub = WaitHub(authoritative=True)
+        super().__init__(hub, poll=(0.001, 0.05))
+        self.store.attach(hub)
+
+    def _store_try_grant(
+        self, name: str, at_most_for: float, at_least_for: float
+    ) -> tuple[int, float]:
+        return self.store.try_grant(name, at_most_for, at_least_for)
+
+    def _store_extend(self, name: str, token: int, at_most_for: float) -> bool:
+        return self.store.extend(name, token, at_most_for)
+
+    def _store_release(self, name: str, token: int) -> bool:
+        return self.store.release(name, token)
+
+    def _store_close(self) -> None:
+        self.store.detach(self._hub)

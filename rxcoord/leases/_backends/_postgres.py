@@ -1,0 +1,331 @@
+"""Leases in PostgreSQL: one statement per operation, LISTEN/NOTIFY for waiters.
+
+Table (created if missing, under an advisory lock so concurrent first starts do not race)::
+
+    name text PRIMARY KEY, token bigint, locked_until timestamptz, least_until timestamptz,
+    released boolean, locked_at timestamptz, locked_by text
+
+Rows are never deleted: the row *is* the per-name token counter, so tokens survive releases,
+client restarts and (committed with ``synchronous_commit=on``) server restarts and crashes.
+
+* grant: ``INSERT ... ON CONFLICT (name) DO UPDATE SET token = token + 1 ... WHERE
+  locked_until <= clock_timestamp() RETURNING token``. The row lock serializes competing
+  grants; a loser re-checks the winner's row and gets nothing. The same statement reads the
+  current holder's remaining time for the waiter's deadline.
+* extend / release: ``UPDATE ... WHERE name AND token AND NOT released AND locked_until >
+  clock_timestamp()``; release also sends ``pg_notify`` on the name's channel in the same
+  statement (delivered at commit, i.e. exactly when the release is visible).
+
+The server's ``clock_timestamp()`` decides expiry; clients only ever send durations.
+
+Connections come from a psycopg-pool; one more, owned by the listener thread, LISTENs on one
+channel per name being waited for (``rxl_`` + a hash of table and name: channel names are
+identifiers limited to 63 bytes). Before reusing an idle pooled connection its socket is
+checked for unexpected input (the server closing it on restart), which costs no round trip and
+spares the caller a spurious error right after the server comes back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from rxcoord._errors import LeaseStoreUnavailable
+
+from .._base import LeaseProvider
+from .._notify import Listener, WaitHub
+from .._validate import check_duration, check_table
+from ._drivers import require
+
+if TYPE_CHECKING:
+    import psycopg
+    import psycopg_pool
+
+__all__ = ["PostgresLeases"]
+
+_SCHEMA_LOCK: Final = 0x7278636F6F7264  # advisory lock key for table creation ("rxcoord")
+
+
+def channel_for(table: str, name: str) -> str:
+    """The LISTEN/NOTIFY channel for waiters of ``name`` in ``table``."""
+    digest = hashlib.blake2b(f"{table}\0{name}".encode(), digest_size=16).hexdigest()
+    return f"rxl_{digest}"
+
+
+class PostgresLeases(LeaseProvider):
+    """Leases in a PostgreSQL table; waiters are woken by LISTEN/NOTIFY.
+
+    Args:
+        conninfo: A libpq connection string or URL (``postgresql://user@host:5432/db``).
+        table: Table name (identifier, optionally ``schema.table``); created if missing.
+        min_size, max_size: Connection pool bounds.
+        timeout: Seconds to wait for a pooled connection (and to connect) before failing
+            with ``LeaseStoreUnavailable``.
+        durable: Commit grants with ``synchronous_commit=on`` (default), so a token can never
+            be handed out twice even if the server crashes. ``False`` (asynchronous commit)
+            roughly doubles throughput, but a server crash may forget the last grants.
+        configure: Called with each new pooled connection (e.g. to ``SET application_name``).
+
+    Raises:
+        ImportError: psycopg is missing (``pip install rxcoord[postgres]``).
+        ValueError: Invalid table name or sizes.
+    """
+
+    backend = "postgres"
+
+    def __init__(
+        self,
+        conninfo: str = "",
+        *,
+        table: str = "rxcoord_leases",
+        min_size: int = 1,
+        max_size: int = 8,
+        timeout: float = 5.0,
+        durable: bool = True,
+        configure: Callable[[psycopg.Connection[Any]], None] | None = None,
+    ) -> None:
+        parts = check_table(table)
+        self._timeout = check_duration("timeout", timeout)
+        if not 0 <= min_size <= max_size or max_size < 1:
+            raise ValueError(
+                f"need 0 <= min_size <= max_size and max_size >= 1, got {min_size}, {max_size}"
+            )
+        psycopg_mod = require("psycopg", "postgres")
+        pool_mod = require("psycopg_pool", "postgres")
+        from psycopg import sql
+
+        self._psycopg = psycopg_mod
+        self.table = table
+        self.conninfo = conninfo
+        self._max_size = max_size
+        self._holder = f"{socket.gethostname()}:{os.getpid()}"
+        self._schema_ready = False
+        self._schema_lock = threading.Lock()
+        connect_timeout = max(2, math.ceil(self._timeout))  # libpq's minimum is 2 seconds
+        t = sql.Identifier(*parts)
+
+        def render(query: str) -> str:
+            return sql.SQL(query).format(t=t).as_string(None)
+
+        self._sql_create = render(
+            "CREATE TABLE IF NOT EXISTS {t} (name text PRIMARY KEY, token bigint NOT NULL, "
+            "locked_until timestamptz NOT NULL, least_until timestamptz NOT NULL, "
+            "released boolean NOT NULL, locked_at timestamptz NOT NULL, locked_by text NOT NULL)"
+        )
+        self._sql_grant = render(
+            "WITH granted AS (INSERT INTO {t} AS l "
+            "(name, token, locked_until, least_until, released, locked_at, locked_by) "
+            "VALUES (%(name)s, 1, clock_timestamp() + make_interval(secs => %(most)s), "
+            "clock_timestamp() + make_interval(secs => %(least)s), false, clock_timestamp(), "
+            "%(by)s) ON CONFLICT (name) DO UPDATE SET token = l.token + 1, "
+            "locked_until = excluded.locked_until, least_until = excluded.least_until, "
+            "released = false, locked_at = excluded.locked_at, locked_by = excluded.locked_by "
+            "WHERE l.locked_until <= clock_timestamp() RETURNING l.token) "
+            "SELECT (SELECT token FROM granted), (SELECT extract(epoch FROM "
+            "c.locked_until - clock_timestamp())::float8 FROM {t} AS c WHERE c.name = %(name)s)"
+        )
+        owned = (
+            "name = %(name)s AND token = %(token)s AND NOT released "
+            "AND locked_until > clock_timestamp()"
+        )
+        self._sql_extend = render(
+            "UPDATE {t} SET locked_until = greatest(least_until, "
+            f"clock_timestamp() + make_interval(secs => %(most)s)) WHERE {owned}"
+        )
+        self._sql_release = render(
+            "WITH released AS (UPDATE {t} SET locked_until = greatest(least_until, "
+            f"clock_timestamp()), released = true WHERE {owned} RETURNING 1) "
+            "SELECT pg_notify(%(channel)s, '') FROM released"
+        )
+
+        def configure_connection(conn: psycopg.Connection[Any]) -> None:
+            if not durable:
+                conn.execute("SET synchronous_commit = off")
+            if configure is not None:
+                configure(conn)
+
+        self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = pool_mod.ConnectionPool(
+            conninfo,
+            kwargs={"autocommit": True, "connect_timeout": connect_timeout},
+            min_size=min_size,
+            max_size=max_size,
+            timeout=self._timeout,
+            configure=configure_connection,
+            name=f"rxcoord-leases-{table}",
+            num_workers=1,
+            open=True,
+        )
+        self._listener = _PgListener(
+            lambda: self._hub, conninfo, connect_timeout, lambda name: channel_for(table, name)
+        )
+        super().__init__(WaitHub(self._listener), poll=(0.01, 0.25))
+
+    def _describe(self) -> str:
+        return f"table={self.table}"
+
+    def _listener_counts(self) -> tuple[int, int]:
+        return self._listener.notifications, self._listener.reconnects
+
+    # -- connections --------------------------------------------------------------------------
+
+    def _unavailable(self, exc: Exception, action: str) -> LeaseStoreUnavailable:
+        return LeaseStoreUnavailable(
+            f"PostgreSQL lease store failed to {action}: {type(exc).__name__}: {exc}".rstrip()
+            + " (the provider reconnects once the server is reachable again)"
+        )
+
+    def _getconn(self) -> psycopg.Connection[Any]:
+        # A few attempts: every idle connection may have been closed by a server restart.
+        for _ in range(self._max_size + 1):
+            conn = self._pool.getconn()
+            if not _has_unexpected_input(conn):
+                return conn
+            conn.close()  # the pool discards closed connections and opens a new one
+            self._pool.putconn(conn)
+        return self._pool.getconn()
+
+    def _ensure_schema(self) -> None:
+        with self._schema_lock:
+            if self._schema_ready:
+                return
+            conn = self._getconn()
+            try:
+                with conn.transaction():
+                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                    conn.execute(self._sql_create)
+            finally:
+                self._pool.putconn(conn)
+            self._schema_ready = True
+
+    def _run(self, query: str, params: dict[str, object], action: str) -> tuple[Any, int]:
+        """Execute one statement; (first row or None, rowcount)."""
+        errors = self._psycopg.Error
+        for attempt in (1, 2):
+            try:
+                if not self._schema_ready:
+                    self._ensure_schema()
+                conn = self._getconn()
+                try:
+                    cursor = conn.execute(query, params, prepare=True)
+                    row = cursor.fetchone() if cursor.description is not None else None
+                    return row, cursor.rowcount
+                finally:
+                    self._pool.putconn(conn)
+            except self._psycopg.errors.UndefinedTable as exc:
+                # Dropped behind our back: nothing was executed, so recreating and retrying
+                # once is safe.
+                self._schema_ready = False
+                if attempt == 2:
+                    raise self._unavailable(exc, action) from exc
+            except errors as exc:
+                raise self._unavailable(exc, action) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- primitives ---------------------------------------------------------------------------
+
+    def _store_try_grant(
+        self, name: str, at_most_for: float, at_least_for: float
+    ) -> tuple[int, float]:
+        row, _ = self._run(
+            self._sql_grant,
+            {"name": name, "most": at_most_for, "least": at_least_for, "by": self._holder},
+            "grant a lease",
+        )
+        token, remaining = row
+        if token is not None:
+            return int(token), 0.0
+        return 0, max(0.0, float(remaining or 0.0))
+
+    def _store_extend(self, name: str, token: int, at_most_for: float) -> bool:
+        _, count = self._run(
+            self._sql_extend, {"name": name, "token": token, "most": at_most_for}, "extend a lease"
+        )
+        return count == 1
+
+    def _store_release(self, name: str, token: int) -> bool:
+        row, _ = self._run(
+            self._sql_release,
+            {"name": name, "token": token, "channel": channel_for(self.table, name)},
+            "release a lease",
+        )
+        return row is not None
+
+    def _store_close(self) -> None:
+        self._pool.close()
+
+
+def _has_unexpected_input(conn: psycopg.Connection[Any]) -> bool:
+    """True if an idle connection is closed or has pending input (e.g. the server hung up)."""
+    if conn.closed or conn.broken:
+        return True
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class _PgListener(Listener):
+    """LISTENs on the channels of the names being waited for, on a connection of its own."""
+
+    def __init__(
+        self,
+        hub_ref: Callable[[], WaitHub | None],
+        conninfo: str,
+        connect_timeout: int,
+        channel_of: Callable[[str], str],
+    ) -> None:
+        super().__init__(hub_ref, "rxcoord-postgres-lease-listener")
+        self._conninfo = conninfo
+        self._connect_timeout = connect_timeout
+        self._channel_of = channel_of
+        self._channels: dict[str, str] = {}  # channel -> name
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def _connect(self) -> None:
+        import psycopg
+
+        self._conn = psycopg.connect(
+            self._conninfo, autocommit=True, connect_timeout=self._connect_timeout
+        )
+
+    def _fileno(self) -> int:
+        assert self._conn is not None
+        return self._conn.fileno()
+
+    def _apply(self, subscribe: list[str], unsubscribe: list[str]) -> None:
+        from psycopg import sql
+
+        assert self._conn is not None
+        statements: list[sql.Composable] = []
+        for name in subscribe:
+            channel = self._channel_of(name)
+            self._channels[channel] = name
+            statements.append(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        for name in unsubscribe:
+            channel = self._channel_of(name)
+            self._channels.pop(channel, None)
+            statements.append(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
+        self._conn.execute(sql.SQL("; ").join(statements))
+        for name in subscribe + unsubscribe:
+            self._acked(name)  # LISTEN takes effect when the command completes
+        self._drain()  # notifications that arrived during the command sit in psycopg's backlog
+
+    def _drain(self) -> None:
+        assert self._conn is not None
+        for notify in self._conn.notifies(timeout=0):
+            name = self._channels.get(notify.channel)
+            if name is not None:
+                self._released(name)
+
+    def _disconnect(self) -> None:
+        conn, self._conn = self._conn, None
+        self._channels.clear()
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()

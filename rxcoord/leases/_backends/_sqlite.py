@@ -1,0 +1,174 @@
+"""Leases in an SQLite file: the embedded default for processes on one machine.
+
+One row per name (``name, token, locked_until, least_until, released``); rows are never
+deleted, so the per-name token counter survives releases, client restarts and reopening the
+file. The grant is one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE locked_until <= now
+RETURNING token``: SQLite serializes writers, so the check, the grant and the token increment
+are one atomic step. Times are the machine's clock as SQLite reads it (``julianday('now')``),
+the same for every process on the machine.
+
+SQLite cannot notify other processes, so waiters poll with exponential backoff (bounded by the
+holder's expiry); waiters in the same provider are woken directly on release. The database runs
+in WAL mode so readers never block the writer; with ``durable=True`` (default) every grant is
+fsynced before it is reported, so tokens survive a power cut too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sqlite3
+import threading
+from contextlib import suppress
+from typing import Final
+
+from rxcoord._errors import LeaseStoreUnavailable
+
+from .._base import LeaseProvider
+from .._notify import WaitHub
+from .._validate import check_duration, check_table
+
+__all__ = ["SqliteLeases"]
+
+# Seconds since the Unix epoch on the machine's clock, millisecond resolution.
+_NOW: Final = "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+class SqliteLeases(LeaseProvider):
+    """Leases in an SQLite database file, shared by the processes of one machine.
+
+    Args:
+        path: The database file (created if missing). ``":memory:"`` works within one provider.
+        table: Table name (an identifier, optionally ``schema.table``); created if missing.
+        timeout: Seconds to wait for another process's write lock before giving up with
+            ``LeaseStoreUnavailable``.
+        durable: fsync every grant and release (``synchronous=FULL``). ``False`` trades
+            durability across power loss (not process crashes) for speed.
+        poll: (first, max) seconds between polls while waiting for another process's lease.
+
+    Raises:
+        ValueError: Invalid table name or durations.
+    """
+
+    backend = "sqlite"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = "rxcoord-leases.db",
+        *,
+        table: str = "rxcoord_leases",
+        timeout: float = 5.0,
+        durable: bool = True,
+        poll: tuple[float, float] = (0.002, 0.05),
+    ) -> None:
+        parts = check_table(table)
+        self._timeout = check_duration("timeout", timeout, allow_zero=True)
+        first = check_duration("poll[0]", poll[0])
+        cap = check_duration("poll[1]", poll[1])
+        self.path = os.fspath(path)
+        self.table = table
+        self._durable = durable
+        self._conn: sqlite3.Connection | None = None
+        self._conn_lock = threading.Lock()
+        self._holder = f"{socket.gethostname()}:{os.getpid()}"
+        t = ".".join(f'"{part}"' for part in parts)
+        self._sql_create = (
+            f"CREATE TABLE IF NOT EXISTS {t} (name TEXT PRIMARY KEY, token INTEGER NOT NULL, "
+            "locked_until REAL NOT NULL, least_until REAL NOT NULL, released INTEGER NOT NULL, "
+            "locked_at REAL NOT NULL, locked_by TEXT NOT NULL)"
+        )
+        self._sql_grant = (
+            f"INSERT INTO {t} (name, token, locked_until, least_until, released, locked_at, "
+            f"locked_by) VALUES (?1, 1, {_NOW} + ?2, {_NOW} + ?3, 0, {_NOW}, ?4) "
+            "ON CONFLICT (name) DO UPDATE SET token = token + 1, "
+            "locked_until = excluded.locked_until, least_until = excluded.least_until, "
+            "released = 0, locked_at = excluded.locked_at, locked_by = excluded.locked_by "
+            f"WHERE locked_until <= {_NOW} RETURNING token"
+        )
+        self._sql_remaining = f"SELECT locked_until - {_NOW} FROM {t} WHERE name = ?1"
+        owned = f"name = ?1 AND token = ?2 AND released = 0 AND locked_until > {_NOW}"
+        self._sql_extend = (
+            f"UPDATE {t} SET locked_until = max(least_until, {_NOW} + ?3) WHERE {owned}"
+        )
+        self._sql_release = (
+            f"UPDATE {t} SET locked_until = max(least_until, {_NOW}), released = 1 WHERE {owned}"
+        )
+        super().__init__(WaitHub(), poll=(first, max(first, cap)))
+
+    def _describe(self) -> str:
+        return f"{self.path!r} table={self.table}"
+
+    def _connection(self) -> sqlite3.Connection:
+        conn = self._conn
+        if conn is None:
+            conn = sqlite3.connect(
+                self.path, timeout=self._timeout, isolation_level=None, check_same_thread=False
+            )
+            try:
+                # Busy means another process is switching it right now (the mode persists).
+                with suppress(sqlite3.OperationalError):
+                    conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(f"PRAGMA synchronous={'FULL' if self._durable else 'NORMAL'}")
+                conn.execute(self._sql_create)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return conn
+
+    def _fail(self, exc: sqlite3.Error, action: str) -> LeaseStoreUnavailable:
+        message = str(exc)
+        if "locked" not in message and "busy" not in message:
+            # Anything but lock contention may mean a broken handle: reopen on the next call.
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+        return LeaseStoreUnavailable(
+            f"SQLite lease store {self.path!r} failed to {action}: {message} "
+            f"(a lock held longer than timeout={self._timeout}s, a missing directory or a full "
+            "disk; the provider reopens the file on the next call)"
+        )
+
+    def _store_try_grant(
+        self, name: str, at_most_for: float, at_least_for: float
+    ) -> tuple[int, float]:
+        with self._conn_lock:
+            try:
+                conn = self._connection()
+                rows = conn.execute(
+                    self._sql_grant, (name, at_most_for, at_least_for, self._holder)
+                ).fetchall()  # fetch all: the statement (and its write lock) ends only then
+                if rows:
+                    return int(rows[0][0]), 0.0
+                row = conn.execute(self._sql_remaining, (name,)).fetchone()
+            except sqlite3.Error as exc:
+                raise self._fail(exc, "grant a lease") from exc
+        return 0, max(0.0, float(row[0])) if row else 0.0
+
+    def _store_extend(self, name: str, token: int, at_most_for: float) -> bool:
+        with self._conn_lock:
+            try:
+                cursor = self._connection().execute(self._sql_extend, (name, token, at_most_for))
+            except sqlite3.Error as exc:
+                raise self._fail(exc, "extend a lease") from exc
+        return cursor.rowcount == 1
+
+    def _store_release(self, name: str, token: int) -> bool:
+        with self._conn_lock:
+            try:
+                cursor = self._connection().execute(self._sql_release, (name, token))
+            except sqlite3.Error as exc:
+                raise self._fail(exc, "release a lease") from exc
+        if cursor.rowcount == 1:
+            self._hub.notify(name)  # waiters in this process need not wait for their next poll
+            return True
+        return False
+
+    def _store_close(self) -> None:
+        with self._conn_lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()

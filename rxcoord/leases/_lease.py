@@ -1,0 +1,492 @@
+"""The lease a holder owns: name, fencing token, extend, release, and news of its loss.
+
+Ownership is the grant itself. The store knows a lease by (name, token); this object carries
+both, and nothing else identifies the holder: no hostname, thread or ``threading.local``. Any
+thread or task holding the object may extend or release it, and no other grant of the same name
+(another thread's, another task's, another process's) can be extended or released with it: the
+store compares the token.
+
+States: ``held`` -> ``releasing`` -> ``released``, or ``held``/``releasing`` -> ``lost``. A
+failed round trip (store unavailable) returns ``releasing`` to ``held`` so the holder can retry.
+``lost`` means the store refused the token (expired, taken over) or keep-alive could not renew
+before the local conservative estimate of the expiry passed.
+
+The local expiry estimate is ``monotonic time before the request + at_most_for``: the store
+started the lease *after* the request left, by its own clock, so the estimate errs on the early
+side and never compares two machines' wall clocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from time import monotonic
+from types import TracebackType
+from typing import TYPE_CHECKING, Final, Literal
+
+from loguru import logger
+from reactivex import Observable, abc
+from reactivex.disposable import Disposable
+
+from rxcoord._errors import LeaseError, LeaseLost, LeaseStoreUnavailable
+
+from ._errors import LeaseProviderClosed
+from ._validate import check_duration
+
+if TYPE_CHECKING:
+    from ._base import LeaseProvider
+
+__all__ = ["DistributedLease", "LeaseStats"]
+
+_HELD: Final = "held"
+_RELEASING: Final = "releasing"
+_RELEASED: Final = "released"
+_LOST: Final = "lost"
+_MIN_RETRY: Final = 0.005  # seconds between renewal retries when the store is unavailable
+
+LeaseState = Literal["held", "releasing", "released", "lost"]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStats:
+    """A snapshot of one :class:`DistributedLease`.
+
+    Attributes:
+        name: The lease name.
+        token: The fencing token of this grant.
+        state: ``"held"``, ``"releasing"``, ``"released"`` or ``"lost"``.
+        keep_alive: Whether background renewal is running.
+        extensions: Successful extensions (by ``extend`` or keep-alive).
+        expires_in: Seconds left by the local, conservative estimate (<= 0: may have expired).
+    """
+
+    name: str
+    token: int
+    state: LeaseState
+    keep_alive: bool
+    extensions: int
+    expires_in: float
+
+
+_LostCallback = Callable[[LeaseLost], object]
+_EndCallback = Callable[[], object]
+
+
+class DistributedLease:
+    """A granted lease. Obtain one from a provider; release it exactly once.
+
+    Attributes:
+        name: The lease name.
+        token: The fencing token, strictly larger than every earlier grant's of this name.
+        at_most_for: The current lease duration (seconds); ``extend`` may change it.
+        at_least_for: How long after the grant the name stays taken even if released.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_expires",
+        "_extensions",
+        "_keep_alive",
+        "_lock",
+        "_lost_error",
+        "_observers",
+        "_provider",
+        "_state",
+        "at_least_for",
+        "at_most_for",
+        "name",
+        "token",
+    )
+
+    def __init__(
+        self,
+        provider: LeaseProvider,
+        name: str,
+        token: int,
+        at_most_for: float,
+        at_least_for: float,
+        sent_at: float,
+    ) -> None:
+        self._provider = provider
+        self.name = name
+        self.token = token
+        self.at_most_for = at_most_for
+        self.at_least_for = at_least_for
+        self._lock = threading.Lock()
+        self._state: LeaseState = _HELD
+        self._expires = sent_at + at_most_for
+        self._extensions = 0
+        self._keep_alive = False
+        self._lost_error: LeaseLost | None = None
+        self._observers: list[tuple[_LostCallback, _EndCallback | None]] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<DistributedLease {self.name!r} token={self.token} {self._state} "
+            f"via {type(self._provider).__name__}>"
+        )
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> LeaseState:
+        """``"held"``, ``"releasing"``, ``"released"`` or ``"lost"``."""
+        return self._state
+
+    @property
+    def held(self) -> bool:
+        """True until the lease is released or known to be lost.
+
+        A held lease may still have expired on the store (a long pause): check ``remaining``
+        or, better, let the resource check the fencing token.
+        """
+        return self._state is _HELD
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known to be no longer ours (see :class:`LeaseLost`)."""
+        return self._state is _LOST
+
+    @property
+    def released(self) -> bool:
+        """True once ``release()`` succeeded."""
+        return self._state is _RELEASED
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until expiry by the local conservative estimate (<= 0: may have expired)."""
+        return self._expires - monotonic()
+
+    def stats(self) -> LeaseStats:
+        """A snapshot of this lease."""
+        with self._lock:
+            return LeaseStats(
+                self.name,
+                self.token,
+                self._state,
+                self._keep_alive,
+                self._extensions,
+                self._expires - monotonic(),
+            )
+
+    # -- extend and release -------------------------------------------------------------------
+
+    def extend(self, at_most_for: float | None = None) -> None:
+        """Make the lease expire ``at_most_for`` seconds from now (store clock).
+
+        Never shortens it below ``at_least_for`` after the grant. One round trip.
+
+        Args:
+            at_most_for: New duration in seconds; None keeps the current one. It also becomes
+                the lease's ``at_most_for`` (and so the keep-alive period, a third of it).
+
+        Raises:
+            LeaseLost: The lease expired, was taken over, released or already lost.
+            LeaseStoreUnavailable: The store could not be reached; the lease is unchanged and
+                may still be held (retry, or treat it as lost once ``remaining`` runs out).
+            LeaseProviderClosed: The provider was closed.
+            ValueError: ``at_most_for <= 0``.
+        """
+        most = (
+            self.at_most_for if at_most_for is None else check_duration("at_most_for", at_most_for)
+        )
+        state = self._state
+        if state is not _HELD:
+            raise self._not_held_error("extend")
+        sent = monotonic()
+        if not self._provider._extend_lease(self, most):
+            error = LeaseLost(
+                f"lease {self.name!r} (token {self.token}) could not be extended: it expired "
+                "or was taken over by another holder"
+            )
+            self._end(_LOST, error, "the store refused to extend it")
+            raise error
+        with self._lock:
+            if self._state is _HELD:
+                self._expires = sent + most
+                self.at_most_for = most
+                self._extensions += 1
+
+    def release(self) -> None:
+        """Give the lease back. One round trip.
+
+        The name stays taken until ``at_least_for`` after the grant, then it is free; waiters
+        are notified either way. Releasing also stops keep-alive.
+
+        Raises:
+            LeaseLost: The lease had expired or been taken over (then it was not ours to
+                release, and the other holder keeps it), or was already released.
+            LeaseStoreUnavailable: The store could not be reached; the lease is still held and
+                ``release()`` may be called again.
+            LeaseProviderClosed: The provider was closed (and released the lease then).
+        """
+        with self._lock:
+            state = self._state
+            if state is _HELD:
+                self._state = _RELEASING
+                keep_alive, self._keep_alive = self._keep_alive, False
+        if state is not _HELD:
+            if state is _LOST:
+                self._provider._forget_quietly(self)
+            raise self._not_held_error("release")
+        if keep_alive:
+            self._provider._background.stop(self)
+        try:
+            ok = self._provider._release_lease(self)
+        except BaseException:
+            with self._lock:
+                if self._state is _RELEASING:
+                    self._state = _HELD
+                    self._keep_alive = keep_alive
+            if keep_alive:
+                self._provider._background.start(self, self.at_most_for / 3)
+            raise
+        if ok:
+            self._end(_RELEASED, None, "")
+            return
+        error = LeaseLost(
+            f"lease {self.name!r} (token {self.token}) was lost before release: it expired and "
+            "may have been granted to another holder; work done under it may overlap theirs"
+        )
+        self._end(_LOST, error, "it had expired when released")
+        raise error
+
+    async def release_async(self) -> None:
+        """:meth:`release` for asyncio: the round trip runs in a worker thread."""
+        loop = asyncio.get_running_loop()
+        await asyncio.shield(loop.run_in_executor(None, self.release))
+
+    async def extend_async(self, at_most_for: float | None = None) -> None:
+        """:meth:`extend` for asyncio: the round trip runs in a worker thread."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.extend, at_most_for)
+
+    def _release_quietly(self) -> None:
+        """Release if still held; log instead of raising (cleanup after another error)."""
+        if self._state is not _HELD:
+            return
+        try:
+            self.release()
+        except LeaseLost as exc:
+            logger.warning("rxcoord lease {!r}: {}", self.name, exc)
+        except (LeaseStoreUnavailable, LeaseProviderClosed) as exc:
+            logger.warning(
+                "rxcoord lease {!r} not released ({}); it expires on its own", self.name, exc
+            )
+
+    def _release_on_close(self) -> None:
+        """Release on behalf of a closing provider (which no longer accepts ``release()``)."""
+        with self._lock:
+            if self._state is not _HELD:
+                return
+            self._state = _RELEASING
+            self._keep_alive = False
+        try:
+            ok = self._provider._store_release(self.name, self.token)
+        except LeaseStoreUnavailable as exc:
+            error = LeaseLost(
+                f"lease {self.name!r} (token {self.token}) could not be released when its "
+                f"provider closed ({exc}); it expires on its own"
+            )
+            error.__cause__ = exc
+            self._end(_LOST, error, "its provider closed and could not release it")
+            return
+        if ok:
+            self._end(_RELEASED, None, "")
+        else:
+            error = LeaseLost(
+                f"lease {self.name!r} (token {self.token}) had expired when its provider closed"
+            )
+            self._end(_LOST, error, "it had expired when its provider closed")
+
+    def _not_held_error(self, action: str) -> LeaseError:
+        self._provider._check_open()
+        if self._state is _LOST:
+            lost = LeaseLost(
+                f"cannot {action} lease {self.name!r} (token {self.token}): {self._lost_error}"
+            )
+            lost.__cause__ = self._lost_error
+            return lost
+        return LeaseLost(
+            f"cannot {action} lease {self.name!r} (token {self.token}): it was already released"
+        )
+
+    # -- keep-alive ---------------------------------------------------------------------------
+
+    @property
+    def keep_alive(self) -> bool:
+        """Whether the lease is being renewed in the background."""
+        return self._keep_alive
+
+    def start_keep_alive(self) -> None:
+        """Renew the lease every ``at_most_for / 3`` seconds until it is released.
+
+        If a renewal is refused (the lease was lost) or the store stays unreachable until the
+        lease may have expired, the lease becomes ``lost``, the loss is logged, and the
+        ``on_lost`` callbacks and ``when_lost`` subscribers are told. Idempotent.
+
+        Raises:
+            LeaseLost: The lease is not held any more.
+            LeaseProviderClosed: The provider was closed.
+        """
+        with self._lock:
+            if self._state is not _HELD:
+                state_ok = False
+            else:
+                state_ok = True
+                already, self._keep_alive = self._keep_alive, True
+        if not state_ok:
+            raise self._not_held_error("keep alive")
+        if not already:
+            self._provider._check_open()
+            self._provider._background.start(self, self.at_most_for / 3)
+
+    def stop_keep_alive(self) -> None:
+        """Stop background renewal (the lease then expires ``at_most_for`` after its last one)."""
+        with self._lock:
+            was, self._keep_alive = self._keep_alive, False
+        if was:
+            self._provider._background.stop(self)
+
+    def _keep_alive_tick(self) -> float | None:
+        """Renew once (on the provider's background executor); the delay until the next try."""
+        with self._lock:
+            if self._state is not _HELD or not self._keep_alive:
+                return None
+            most = self.at_most_for
+        sent = monotonic()
+        try:
+            ok = self._provider._extend_lease(self, most)
+        except LeaseProviderClosed:
+            return None
+        except LeaseStoreUnavailable as exc:
+            left = self._expires - monotonic()
+            if left <= 0:
+                error = LeaseLost(
+                    f"lease {self.name!r} (token {self.token}) could not be renewed before it "
+                    f"expired: {exc}"
+                )
+                error.__cause__ = exc
+                self._end(_LOST, error, "keep-alive could not reach the store in time")
+                return None
+            retry = max(_MIN_RETRY, min(most / 3, left / 3))
+            logger.warning(
+                "rxcoord lease {!r}: renewal failed ({}); retrying in {:.3f}s, {:.3f}s left",
+                self.name,
+                exc,
+                retry,
+                left,
+            )
+            return retry
+        if not ok:
+            error = LeaseLost(
+                f"lease {self.name!r} (token {self.token}) was lost: keep-alive found it expired "
+                "or taken over by another holder"
+            )
+            self._end(_LOST, error, "keep-alive renewal was refused")
+            return None
+        with self._lock:
+            if self._state is not _HELD:
+                return None
+            self._expires = sent + most
+            self._extensions += 1
+            return most / 3 if self._keep_alive else None
+
+    # -- loss notification --------------------------------------------------------------------
+
+    def on_lost(self, callback: Callable[[LeaseLost], object]) -> Callable[[], None]:
+        """Call ``callback(error)`` once if the lease is lost; returns a function to unregister.
+
+        Called on the thread that detected the loss (a keep-alive worker, or the caller of
+        ``extend``/``release``); immediately if the lease is already lost. Never called for a
+        lease that is released normally. Exceptions from the callback are logged.
+        """
+        return self._observe(callback, None)
+
+    @property
+    def when_lost(self) -> Observable[LeaseLost]:
+        """Emits the :class:`LeaseLost` error and completes if the lease is lost.
+
+        Completes without emitting when the lease is released normally, so it can be used to
+        cancel work (``work.pipe(ops.take_until(lease.when_lost))``).
+        """
+
+        def subscribe(
+            observer: abc.ObserverBase[LeaseLost], scheduler: abc.SchedulerBase | None = None
+        ) -> abc.DisposableBase:
+            def lost(error: LeaseLost) -> None:
+                observer.on_next(error)
+                observer.on_completed()
+
+            return Disposable(self._observe(lost, observer.on_completed))
+
+        return Observable(subscribe)
+
+    def _observe(self, on_lost: _LostCallback, on_end: _EndCallback | None) -> Callable[[], None]:
+        entry = (on_lost, on_end)
+        with self._lock:
+            state = self._state
+            if state is _HELD or state is _RELEASING:
+                if self._observers is None:
+                    self._observers = []
+                self._observers.append(entry)
+        if state is _LOST:
+            assert self._lost_error is not None
+            _call(on_lost, self._lost_error)
+        elif state is _RELEASED and on_end is not None:
+            _call(on_end)
+
+        def unregister() -> None:
+            with self._lock:
+                if self._observers is not None:
+                    with contextlib.suppress(ValueError):
+                        self._observers.remove(entry)
+
+        return unregister
+
+    def _end(self, state: LeaseState, error: LeaseLost | None, reason: str) -> None:
+        """Move to ``released`` or ``lost`` (once) and tell whoever asked."""
+        with self._lock:
+            if self._state is not _HELD and self._state is not _RELEASING:
+                return
+            self._state = state
+            self._lost_error = error
+            keep_alive, self._keep_alive = self._keep_alive, False
+            observers, self._observers = self._observers, None
+        if keep_alive:
+            self._provider._background.stop(self)
+        self._provider._lease_ended(self, lost=error is not None)
+        if error is not None:
+            logger.warning("rxcoord lease {!r} (token {}) lost: {}", self.name, self.token, reason)
+        for on_lost, on_end in observers or ():
+            if error is not None:
+                _call(on_lost, error)
+            elif on_end is not None:
+                _call(on_end)
+
+    # -- context manager ----------------------------------------------------------------------
+
+    def __enter__(self) -> DistributedLease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Release on exit; see ``LeaseProvider.lock`` for how errors are reported."""
+        if exc is not None:
+            self._release_quietly()
+        elif self._state is _HELD:
+            self.release()
+
+
+def _call(fn: Callable[..., object], *args: object) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        logger.opt(exception=True).error("rxcoord lease loss callback failed")
