@@ -3,6 +3,8 @@
 Layers, each built on the ones before it:
 
 1. :func:`serialize_by_key` - per-key ordered processing, keys in parallel, no per-key leak.
+2. :class:`TenantTaskCoordinator` - a concurrency limit, a bounded queue (``TooManyTasks``),
+   per-key ordering, cancellation and timeouts for sync and async jobs.
 
 rxcoord logs with loguru and, as a library, is silent until you call
 ``loguru.logger.enable("rxcoord")``.
@@ -10,6 +12,7 @@ rxcoord logs with loguru and, as a library, is silent until you call
 
 from loguru import logger as _logger
 
+from ._coordinator import CoordinatorState, CoordinatorStats, TenantTaskCoordinator
 from ._errors import (
     CoordinatorClosed,
     LeaseError,
@@ -26,12 +29,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CoordinatorClosed",
+    "CoordinatorState",
+    "CoordinatorStats",
     "LeaseError",
     "LeaseLost",
     "LeaseReleasedError",
     "LeaseStoreUnavailable",
     "LockTimeout",
     "RxcoordError",
+    "TenantTaskCoordinator",
     "TooManyTasks",
     "__version__",
     "serialize_by_key",

@@ -11,12 +11,15 @@ import rxcoord.operators
 
 EXPECTED_ROOT = {
     "CoordinatorClosed",
+    "CoordinatorState",
+    "CoordinatorStats",
     "LeaseError",
     "LeaseLost",
     "LeaseReleasedError",
     "LeaseStoreUnavailable",
     "LockTimeout",
     "RxcoordError",
+    "TenantTaskCoordinator",
     "TooManyTasks",
     "__version__",
     "serialize_by_key",

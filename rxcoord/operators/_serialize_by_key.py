@@ -61,7 +61,7 @@ _COMPLETED: Final = object()  # the terminal notification "completed" in ``_Sink
 
 def serialize_by_key(
     key_mapper: Callable[[_T], Hashable],
-    mapper: Callable[[_T], Observable[_R]],
+    mapper: Callable[[_T], abc.ObservableBase[_R]],
     *,
     max_concurrent: int | None = None,
 ) -> Callable[[Observable[_T]], Observable[_R]]:
@@ -191,7 +191,7 @@ class _Sink(Generic[_T, _R]):
         observer: abc.ObserverBase[_R],
         scheduler: abc.SchedulerBase | None,
         key_mapper: Callable[[_T], Hashable],
-        mapper: Callable[[_T], Observable[_R]],
+        mapper: Callable[[_T], abc.ObservableBase[_R]],
         cap: int,
     ) -> None:
         self._observer = observer
@@ -214,7 +214,7 @@ class _Sink(Generic[_T, _R]):
     def run(self, source: Observable[_T]) -> abc.DisposableBase:
         self._source_sub.disposable = source.subscribe(
             self._on_source_next,
-            self.fail,
+            self._on_source_error,
             self._on_source_completed,
             scheduler=self._scheduler,
         )
@@ -246,6 +246,9 @@ class _Sink(Generic[_T, _R]):
                 return
             self._active += 1
         self._start(lane)
+
+    def _on_source_error(self, error: Exception) -> None:
+        self.fail(error)
 
     def _on_source_completed(self) -> None:
         with self._lock:

@@ -1,0 +1,165 @@
+"""Benchmark ``TenantTaskCoordinator`` against the executors a Python engineer would otherwise use.
+
+Three workloads, each run several times with contenders alternating, medians and ratios printed:
+
+1. trivial sync jobs/s through ``execute(...)`` vs ``ThreadPoolExecutor.submit``, same workers;
+2. trivial async jobs/s through ``await``-ed ``execute(...)`` vs an ``asyncio.Semaphore``-gated
+   ``gather`` with the same limit;
+3. the makespan of 2,000 jobs that each sleep 10 ms with ``max_concurrency=32``, as a ratio to
+   the ideal (total work / 32).
+
+Usage::
+
+    python benchmarks/bench_coordinator.py [--jobs N] [--workers W] [--repeat R] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from rxcoord import TenantTaskCoordinator
+
+
+def trivial() -> int:
+    return 1
+
+
+async def trivial_async() -> int:
+    return 1
+
+
+def rxcoord_sync(jobs: int, workers: int) -> float:
+    with TenantTaskCoordinator(max_concurrency=workers, max_queue_size=jobs) as coordinator:
+        done = threading.Event()
+        remaining = jobs
+        lock = threading.Lock()
+
+        def on_completed() -> None:
+            nonlocal remaining
+            with lock:
+                remaining -= 1
+                if remaining == 0:
+                    done.set()
+
+        start = time.perf_counter()
+        execution = coordinator.execute(trivial)
+        for _ in range(jobs):
+            execution.subscribe(on_completed=on_completed)
+        done.wait()
+        return jobs / (time.perf_counter() - start)
+
+
+def executor_sync(jobs: int, workers: int) -> float:
+    with ThreadPoolExecutor(max_workers=workers) as executor:
+        start = time.perf_counter()
+        futures = [executor.submit(trivial) for _ in range(jobs)]
+        wait(futures)
+        return jobs / (time.perf_counter() - start)
+
+
+def rxcoord_async(jobs: int, workers: int) -> float:
+    async def main() -> float:
+        with TenantTaskCoordinator(max_concurrency=workers, max_queue_size=jobs) as coordinator:
+            start = time.perf_counter()
+            # one Observable per job: gather() would run the same awaitable only once
+            await asyncio.gather(*(coordinator.execute(trivial_async) for _ in range(jobs)))
+            return jobs / (time.perf_counter() - start)
+
+    return asyncio.run(main())
+
+
+def semaphore_async(jobs: int, workers: int) -> float:
+    async def main() -> float:
+        semaphore = asyncio.Semaphore(workers)
+
+        async def gated() -> int:
+            async with semaphore:
+                return await trivial_async()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(gated() for _ in range(jobs)))
+        return jobs / (time.perf_counter() - start)
+
+    return asyncio.run(main())
+
+
+def makespan(jobs: int, concurrency: int, duration: float) -> float:
+    """Seconds to run ``jobs`` sleeping jobs, divided by the ideal ``jobs * duration / cap``."""
+    with TenantTaskCoordinator(max_concurrency=concurrency, max_queue_size=jobs) as coordinator:
+        done = threading.Event()
+        remaining = jobs
+        lock = threading.Lock()
+
+        def on_completed() -> None:
+            nonlocal remaining
+            with lock:
+                remaining -= 1
+                if remaining == 0:
+                    done.set()
+
+        execution = coordinator.execute(lambda: time.sleep(duration))
+        start = time.perf_counter()
+        for _ in range(jobs):
+            execution.subscribe(on_completed=on_completed)
+        done.wait()
+        return (time.perf_counter() - start) / (jobs * duration / concurrency)
+
+
+def medians(contenders: dict[str, Callable[[], float]], repeat: int) -> dict[str, float]:
+    results: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeat):
+        for name, run in contenders.items():  # alternate: machine drift hits all alike
+            results[name].append(run())
+    return {name: statistics.median(values) for name, values in results.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=20_000, help="trivial jobs per run")
+    parser.add_argument("--workers", type=int, default=4, help="worker count / concurrency")
+    parser.add_argument("--repeat", type=int, default=5, help="repetitions (medians printed)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, 3 repetitions")
+    args = parser.parse_args()
+    if args.quick:
+        args.jobs, args.repeat = 5_000, 3
+    jobs, workers = args.jobs, args.workers
+
+    sync = medians(
+        {
+            "execute (sync)": lambda: rxcoord_sync(jobs, workers),
+            "ThreadPoolExecutor": lambda: executor_sync(jobs, workers),
+        },
+        args.repeat,
+    )
+    print(f"\ntrivial sync jobs, {jobs:,} per run, {workers} workers, median of {args.repeat}")
+    print(f"{'contender':<22} {'jobs/s':>10} {'ratio':>7}")
+    for name, value in sync.items():
+        print(f"{name:<22} {value:>10,.0f} {value / sync['ThreadPoolExecutor']:>6.2f}x")
+
+    asynchronous = medians(
+        {
+            "execute (async)": lambda: rxcoord_async(jobs, workers),
+            "Semaphore + gather": lambda: semaphore_async(jobs, workers),
+        },
+        args.repeat,
+    )
+    print(f"\ntrivial async jobs, {jobs:,} per run, limit {workers}, median of {args.repeat}")
+    print(f"{'contender':<22} {'jobs/s':>10} {'ratio':>7}")
+    for name, value in asynchronous.items():
+        ratio = value / asynchronous["Semaphore + gather"]
+        print(f"{name:<22} {value:>10,.0f} {ratio:>6.2f}x")
+
+    count = 500 if args.quick else 2000
+    ratios = [makespan(count, 32, 0.010) for _ in range(args.repeat)]
+    print(f"\nmakespan of {count:,} jobs x 10 ms, max_concurrency=32, median of {args.repeat}")
+    print(f"makespan / ideal: {statistics.median(ratios):.3f} (goal <= 1.15)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The worker threads a coordinator owns when no scheduler is given.
+
+Why not ``ThreadPoolExecutor``? Each ``submit`` builds a ``Future`` and a work item and takes a
+semaphore, costs we pay per job for a result channel the coordinator does not use (it delivers
+results itself). This pool is a ``SimpleQueue`` of callables and at most ``max_workers`` threads,
+started lazily when no idle worker is free, so a job costs one C-level queue hand-off.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+from loguru import logger
+
+__all__ = ["WorkerPool"]
+
+
+class WorkerPool:
+    """At most ``max_workers`` daemon threads running submitted callables in FIFO order."""
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        self._max_workers = max_workers
+        self._name = name
+        self._queue: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # workers waiting for work that no submit has claimed yet
+        self._closed = False
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on a worker thread.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"worker pool {self._name!r} is shut down")
+            if self._idle:
+                self._idle -= 1  # claim a waiting worker: it will take this item
+            elif len(self._threads) < self._max_workers:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+        self._queue.put(fn)
+
+    def _work(self) -> None:
+        get = self._queue.get
+        while True:
+            fn = get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except BaseException:  # the callables handle their own errors; this is a bug
+                logger.opt(exception=True).critical("worker {}: job runner failed", self._name)
+            with self._lock:
+                self._idle += 1
+
+    @property
+    def threads(self) -> int:
+        """Worker threads started and not yet shut down."""
+        with self._lock:
+            return len(self._threads)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop accepting work; workers exit once the queue is drained.
+
+        With ``wait`` the call returns only when every worker thread has exited (it never waits
+        for itself when called from a worker).
+        """
+        with self._lock:
+            if self._closed:
+                threads: list[threading.Thread] = []
+            else:
+                self._closed = True
+                threads = list(self._threads)
+                for _ in threads:
+                    self._queue.put(None)
+        if wait:
+            me = threading.current_thread()
+            for thread in threads:
+                if thread is not me:
+                    thread.join()

@@ -1,0 +1,151 @@
+"""Hypothesis drives random submit / cancel / release / timeout / error sequences through a
+coordinator on real threads; an invariant checker asserts the limits (points 1 and 2) and
+per-key order and exclusion (point 5) at every step, and the accounting at the end."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reactivex import abc
+
+from rxcoord import TenantTaskCoordinator
+
+MAX_CONCURRENCY = 2
+MAX_QUEUE = 3
+WAIT = 10.0
+
+
+@dataclass
+class Checker:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    running: int = 0
+    most: int = 0
+    active_keys: set[Any] = field(default_factory=set)
+    started: dict[Any, list[int]] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+
+    def enter(self, index: int, key: Any) -> None:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            if self.running > MAX_CONCURRENCY:
+                self.violations.append(f"{self.running} jobs running > {MAX_CONCURRENCY}")
+            if key is not None:
+                if key in self.active_keys:
+                    self.violations.append(f"key {key!r} ran twice at once (job {index})")
+                self.active_keys.add(key)
+                self.started.setdefault(key, []).append(index)
+
+    def leave(self, key: Any) -> None:
+        with self.lock:
+            self.running -= 1
+            self.active_keys.discard(key)
+
+
+class Job(abc.ObserverBase[int]):
+    def __init__(self, checker: Checker, index: int, key: Any, behaviour: str) -> None:
+        self.checker = checker
+        self.index = index
+        self.key = key
+        self.behaviour = behaviour
+        self.gate = threading.Event()
+        if behaviour != "hold":
+            self.gate.set()
+        self.outcomes: list[str] = []
+        self.done = threading.Event()
+        self.subscription: abc.DisposableBase | None = None
+        self.disposed = False
+
+    def __call__(self) -> int:
+        self.checker.enter(self.index, self.key)
+        try:
+            self.gate.wait(WAIT)
+            if self.behaviour == "error":
+                raise RuntimeError(f"job {self.index}")
+            return self.index
+        finally:
+            self.checker.leave(self.key)
+
+    def on_next(self, value: Any) -> None:
+        self.outcomes.append("value")
+
+    def on_error(self, error: Exception) -> None:
+        self.outcomes.append(type(error).__name__)
+        self.done.set()
+
+    def on_completed(self) -> None:
+        self.outcomes.append("completed")
+        self.done.set()
+
+
+submit = st.tuples(
+    st.just("submit"),
+    st.sampled_from([None, "a", "b"]),
+    st.sampled_from(["ok", "error", "hold"]),
+    st.sampled_from([None, None, 0.01]),
+)
+cancel = st.tuples(st.just("cancel"), st.integers(0, 30))
+release = st.tuples(st.just("release"), st.integers(0, 30))
+operations = st.lists(st.one_of(submit, submit, cancel, release), min_size=1, max_size=30)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(ops=operations)
+def test_random_workloads_keep_limits_order_and_accounting(ops: list[tuple[Any, ...]]) -> None:
+    checker = Checker()
+    jobs: list[Job] = []
+    with TenantTaskCoordinator(max_concurrency=MAX_CONCURRENCY, max_queue_size=MAX_QUEUE) as c:
+        for op in ops:
+            if op[0] == "submit":
+                _, key, behaviour, timeout = op
+                job = Job(checker, len(jobs), key, behaviour)
+                jobs.append(job)
+                job.subscription = c.execute(job, key=key, timeout=timeout).subscribe(job)
+            elif op[0] == "cancel" and jobs:
+                job = jobs[op[1] % len(jobs)]
+                assert job.subscription is not None
+                job.subscription.dispose()
+                job.disposed = True
+            elif op[0] == "release" and jobs:
+                jobs[op[1] % len(jobs)].gate.set()
+            stats = c.stats()
+            assert stats.work_in_progress <= MAX_CONCURRENCY + MAX_QUEUE
+            assert stats.running <= MAX_CONCURRENCY
+        for job in jobs:
+            job.gate.set()
+        deadline = time.monotonic() + WAIT
+        while c.work_in_progress:
+            assert time.monotonic() < deadline, "coordinator never became idle"
+            time.sleep(0.001)
+        stats = c.stats()
+
+    assert checker.violations == []
+    for key, indices in checker.started.items():
+        assert indices == sorted(indices), f"key {key!r} started out of subscription order"
+    # Every subscriber that stayed got exactly one outcome.
+    for job in jobs:
+        if not job.disposed:
+            assert job.done.wait(WAIT), f"job {job.index} never got an outcome"
+            assert job.outcomes in (
+                ["value", "completed"],
+                ["RuntimeError"],
+                ["TooManyTasks"],
+                ["TimeoutError"],
+            ), job.outcomes
+            if job.outcomes == ["RuntimeError"]:
+                assert job.behaviour == "error"
+    assert stats.submitted == len(jobs)
+    assert (
+        stats.completed + stats.failed + stats.rejected + stats.cancelled + stats.timed_out
+        == stats.submitted
+    )
+    assert stats.rejected == sum(1 for j in jobs if j.outcomes == ["TooManyTasks"])
