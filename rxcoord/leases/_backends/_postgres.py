@@ -160,6 +160,11 @@ class PostgresLeases(LeaseProvider):
             configure=configure_connection,
             name=f"rxcoord-leases-{table}",
             num_workers=1,
+            # psycopg-pool retries a failed connection with a backoff that doubles for up to
+            # reconnect_timeout (5 minutes by default), so after a long outage its next try
+            # could come minutes after the server is back. Giving up after `timeout` instead
+            # makes the next caller start a fresh attempt at once.
+            reconnect_timeout=max(self._timeout, 1.0),
             open=True,
         )
         self._listener = _PgListener(

@@ -1,0 +1,1 @@
+"""Tests of rxcoord.leases (a package so helper modules import relatively)."""

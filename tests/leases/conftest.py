@@ -1,0 +1,357 @@
+"""Fixtures for the lease suite: real servers, and one contract run over four providers.
+
+Servers are throwaway instances started from the installed binaries on free ports (Redis:
+``redis-server``; PostgreSQL: ``initdb``/``pg_ctl`` as the ``postgres`` system user when running
+as root, which PostgreSQL refuses), or the servers named by ``RXCOORD_REDIS_URL`` /
+``RXCOORD_POSTGRES_URL``. A missing binary skips with the Debian package to install, except under
+``RXCOORD_REQUIRE_BACKENDS=1`` (CI), where it fails the run.
+
+Every test gets its own namespace on the shared servers (a table per test for PostgreSQL, a key
+prefix for Redis, a file for SQLite, a store object for memory), so tests never see each other's
+leases and need no cleanup between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+from rxcoord.leases import (
+    LeaseProvider,
+    MemoryLeases,
+    MemoryLeaseStore,
+    PostgresLeases,
+    RedisLeases,
+    SqliteLeases,
+)
+
+REQUIRE_BACKENDS = os.environ.get("RXCOORD_REQUIRE_BACKENDS") == "1"
+WORKER = Path(__file__).with_name("lease_worker.py")
+BACKEND_IDS = ("memory", "sqlite", "postgres", "redis")
+
+
+def backend_unavailable(message: str) -> NoReturn:
+    """Skip, or fail when CI requires every backend."""
+    if REQUIRE_BACKENDS:
+        pytest.fail(f"{message} [RXCOORD_REQUIRE_BACKENDS=1 makes this an error]", pytrace=False)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll a condition (state, not time) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(0.002)
+
+
+# -- Redis ----------------------------------------------------------------------------------
+
+
+class ThrowawayRedis:
+    """A redis-server on a free port in a temporary directory.
+
+    Without persistence by default; ``persistent=True`` fsyncs every write to the append-only
+    file before acknowledging it (``appendfsync always``).
+    """
+
+    def __init__(self, binary: str, *, persistent: bool = False) -> None:
+        self.binary = binary
+        self.persistent = persistent
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="rxcoord-redis-"))
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        if self.persistent:
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            args += ["--appendonly", "no"]
+        args += ["--dir", str(self.dir), "--daemonize", "no"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not self._pong():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not start")
+            time.sleep(0.01)
+
+    def _pong(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[ThrowawayRedis]:
+    """A Redis server this session may stop and start (store-restart tests)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        backend_unavailable(
+            "redis-server not found: install the Debian package 'redis-server' "
+            "(apt-get install redis-server)"
+        )
+    server = ThrowawayRedis(binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """RXCOORD_REDIS_URL, or the throwaway server's URL."""
+    url = os.environ.get("RXCOORD_REDIS_URL")
+    if url:
+        return url
+    server: ThrowawayRedis = request.getfixturevalue("redis_server")
+    return server.url
+
+
+# -- PostgreSQL -----------------------------------------------------------------------------
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL cluster in a temporary directory, run as the ``postgres`` user under root."""
+
+    def __init__(self, bindir: Path) -> None:
+        self.bindir = bindir
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="rxcoord-pg-"))
+        self.data = self.dir / "data"
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        self.running = False
+        if os.geteuid() == 0:
+            try:
+                user = pwd.getpwnam("postgres")
+            except KeyError:
+                shutil.rmtree(self.dir, ignore_errors=True)
+                backend_unavailable(
+                    "running as root needs the 'postgres' system user (created by the Debian "
+                    "package 'postgresql')"
+                )
+            os.chown(self.dir, user.pw_uid, user.pw_gid)
+        self._run("initdb", "-D", str(self.data), "--auth=trust", "-U", "postgres", "--no-sync")
+
+    def _run(self, tool: str, *args: str) -> None:
+        command = [str(self.bindir / tool), *args]
+        if os.geteuid() == 0:  # PostgreSQL refuses to run as root
+            command = ["runuser", "-u", "postgres", "--", *command]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{tool} failed: {result.stdout}{result.stderr}")
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        log = str(self.dir / "server.log")
+        self._run("pg_ctl", "-D", str(self.data), "-l", log, "-o", options, "-w", "start")
+        self.running = True
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server; ``mode="immediate"`` is a crash (no shutdown checkpoint)."""
+        if self.running:
+            self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+            self.running = False
+
+    def remove(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.stop("immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _postgres_bindir() -> Path:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=_version_key)
+    if not found:
+        backend_unavailable(
+            "PostgreSQL binaries (initdb, pg_ctl) not found: install the Debian package "
+            "'postgresql' (apt-get install postgresql)"
+        )
+    return Path(found[-1]).parent
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    version = Path(path).parent.parent.name
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[ThrowawayPostgres]:
+    """A PostgreSQL server with a persistent data directory this session may stop and start."""
+    server = ThrowawayPostgres(_postgres_bindir())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def postgres_url(request: pytest.FixtureRequest) -> str:
+    """RXCOORD_POSTGRES_URL, or the throwaway server's URL."""
+    url = os.environ.get("RXCOORD_POSTGRES_URL")
+    if url:
+        return url
+    server: ThrowawayPostgres = request.getfixturevalue("postgres_server")
+    return server.url
+
+
+def drop_table(url: str, table: str) -> None:
+    import psycopg
+
+    with contextlib.suppress(psycopg.Error), psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+
+
+# -- the contract's backend fixture ---------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    """One provider kind, with a private namespace for the current test.
+
+    Attributes:
+        id: ``memory``, ``sqlite``, ``postgres`` or ``redis``.
+        make: A new provider on the same store and namespace (closed after the test).
+        url: The store URL for worker processes (None: the store lives in this process).
+        options: Provider keyword arguments that select the namespace (for workers).
+        notifies: Whether waiters are woken by the store rather than by polling.
+    """
+
+    id: str
+    make: Callable[..., LeaseProvider]
+    url: str | None
+    options: dict[str, str] = field(default_factory=dict)
+    notifies: bool = True
+    providers: list[LeaseProvider] = field(default_factory=list)
+
+    def new(self, **overrides: object) -> LeaseProvider:
+        provider = self.make(**overrides)
+        self.providers.append(provider)
+        return provider
+
+    def worker(self, *args: str) -> subprocess.Popen[str]:
+        """Start ``lease_worker.py`` against this backend's store."""
+        assert self.url is not None, f"{self.id} has no store other processes can reach"
+        spec = json.dumps({"url": self.url, "options": self.options})
+        return subprocess.Popen(
+            [sys.executable, str(WORKER), spec, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+
+def backend_params() -> list[object]:
+    return [
+        pytest.param("memory", id="memory"),
+        pytest.param("sqlite", id="sqlite"),
+        pytest.param("postgres", id="postgres", marks=pytest.mark.backend),
+        pytest.param("redis", id="redis", marks=pytest.mark.backend),
+    ]
+
+
+@pytest.fixture(params=backend_params())
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    kind: str = request.param
+    suffix = uuid.uuid4().hex[:12]
+    if kind == "memory":
+        store = MemoryLeaseStore()
+
+        def make_memory(**kw: object) -> LeaseProvider:
+            return MemoryLeases(store, **kw)
+
+        result = Backend(kind, make_memory, None)
+    elif kind == "sqlite":
+        path = tmp_path / "leases.db"
+
+        def make_sqlite(**kw: object) -> LeaseProvider:
+            options: dict[str, object] = {"timeout": 2.0, **kw}
+            return SqliteLeases(path, **options)  # type: ignore[arg-type]
+
+        result = Backend(kind, make_sqlite, f"sqlite://{path}", notifies=False)
+    elif kind == "postgres":
+        url: str = request.getfixturevalue("postgres_url")
+        table = f"leases_{suffix}"
+
+        def make_pg(**kw: object) -> LeaseProvider:
+            options: dict[str, object] = {"table": table, "timeout": 2.0, **kw}
+            return PostgresLeases(url, **options)  # type: ignore[arg-type]
+
+        result = Backend(kind, make_pg, url, {"table": table})
+    else:
+        url = request.getfixturevalue("redis_url")
+        prefix = f"test:{suffix}:"
+
+        def make_redis(**kw: object) -> LeaseProvider:
+            options: dict[str, object] = {"prefix": prefix, "timeout": 2.0, **kw}
+            return RedisLeases(url, **options)  # type: ignore[arg-type]
+
+        result = Backend(kind, make_redis, url, {"prefix": prefix})
+    try:
+        yield result
+    finally:
+        for provider in result.providers:
+            provider.close()
+        if kind == "postgres":
+            drop_table(result.url or "", result.options["table"])
+
+
+@pytest.fixture
+def leases(backend: Backend) -> LeaseProvider:
+    """A provider of the backend under test."""
+    return backend.new()
+
+
+@pytest.fixture
+def name() -> str:
+    """A lease name of its own for the test."""
+    return f"job-{uuid.uuid4().hex[:8]}"
+
+
+def stop_process(proc: subprocess.Popen[str]) -> None:
+    """Kill a worker if still running and reap it (no zombie, no ResourceWarning)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    proc.communicate(timeout=10)

@@ -1,0 +1,319 @@
+"""What is specific to one backend: round trips, schema, configuration, URLs."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rxcoord.leases import (
+    LeaseProvider,
+    MemoryLeases,
+    MemoryLeaseStore,
+    PostgresLeases,
+    RedisLeases,
+    SqliteLeases,
+    leases_from_url,
+)
+
+from .conftest import drop_table
+
+# -- round trips ----------------------------------------------------------------------------
+
+
+@pytest.mark.backend
+def test_redis_needs_one_round_trip_per_operation(redis_url: str) -> None:
+    """Counted by the server itself: MONITOR shows each command a client sent."""
+    import redis
+
+    prefix = f"rt:{uuid.uuid4().hex[:8]}:"
+    with (
+        RedisLeases(redis_url, prefix=prefix) as leases,
+        redis.Redis.from_url(redis_url) as monitor_client,
+        redis.Redis.from_url(redis_url) as marker,
+    ):
+        warm = leases.try_acquire("warm", 5.0)  # loads the scripts into the server's cache
+        assert warm is not None
+        warm.extend()
+        warm.release()
+        seen: list[dict[str, Any]] = []
+        ready = threading.Event()
+
+        def collect() -> None:
+            with monitor_client.monitor() as monitor:
+                ready.set()
+                while True:
+                    command = monitor.next_command()
+                    if command["command"] == "ECHO rxcoord-end":
+                        return
+                    seen.append(command)
+
+        thread = threading.Thread(target=collect)
+        thread.start()
+        assert ready.wait(5)
+        marker.echo("rxcoord-start")
+        lease = leases.try_acquire("n", 5.0)  # 1
+        assert lease is not None
+        assert leases.try_acquire("n", 5.0) is None  # 2: taken
+        lease.extend()  # 3
+        lease.release()  # 4
+        marker.echo("rxcoord-end")
+        thread.join(10)
+    started = [i for i, c in enumerate(seen) if c["command"] == "ECHO rxcoord-start"]
+    sent = [c for c in seen[started[0] + 1 :] if c["client_type"] != "lua"]
+    assert [c["command"].split()[0] for c in sent] == ["EVALSHA"] * 4, sent
+
+
+@pytest.mark.backend
+def test_postgres_needs_one_round_trip_per_operation(postgres_url: str, tmp_path: Path) -> None:
+    """Counted by libpq's protocol trace: one Sync (one round trip) per operation."""
+    import psycopg
+    from psycopg import pq
+
+    connections: list[psycopg.Connection[Any]] = []
+    table = f"rt_{uuid.uuid4().hex[:8]}"
+    trace = tmp_path / "trace.txt"
+    try:
+        with PostgresLeases(
+            postgres_url, table=table, min_size=1, max_size=1, configure=connections.append
+        ) as leases:
+            warm = leases.try_acquire("warm", 5.0)  # creates the table, prepares statements
+            assert warm is not None
+            assert leases.try_acquire("warm", 5.0) is None
+            warm.extend()
+            warm.release()
+            (conn,) = connections
+            with trace.open("w") as out:
+                conn.pgconn.trace(out.fileno())
+                conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+                lease = leases.try_acquire("n", 5.0)
+                assert lease is not None
+                assert leases.try_acquire("n", 5.0) is None
+                lease.extend()
+                lease.release()
+                conn.pgconn.untrace()
+    finally:
+        drop_table(postgres_url, table)
+    # Lines read "F<tab>length<tab>Message ...": F for frontend (us), B for backend.
+    lines = trace.read_text().splitlines()
+    sent = [line.split("\t")[2].split()[0] for line in lines if line.startswith("F")]
+    assert sent.count("Sync") == 4, sent
+    assert "Parse" not in sent  # prepared once, then only Bind/Execute
+
+
+# -- schema and configuration ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "table", ["", "1abc", "bad name", "x;drop", "a.b.c", "t" * 64, 'q"uote'], ids=repr
+)
+def test_table_names_are_validated_as_identifiers(table: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="invalid table name"):
+        SqliteLeases(tmp_path / "x.db", table=table)
+    with pytest.raises(ValueError, match="invalid table name"):
+        PostgresLeases("postgresql://unused", table=table)
+
+
+def test_sqlite_uses_the_configured_table_and_creates_it_idempotently(tmp_path: Path) -> None:
+    path = tmp_path / "x.db"
+    with (
+        SqliteLeases(path, table="main.custom_leases") as a,
+        SqliteLeases(path, table="custom_leases") as b,
+    ):
+        lease = a.try_acquire("n", 5.0)
+        assert lease is not None
+        assert b.try_acquire("n", 5.0) is None  # same table, reached by both spellings
+        lease.release()
+    with sqlite3.connect(path) as conn:
+        tables = [
+            row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
+        ]
+    conn.close()
+    assert tables == ["custom_leases"]
+
+
+@pytest.mark.backend
+def test_postgres_creates_its_table_once_even_when_providers_race(postgres_url: str) -> None:
+    import psycopg
+
+    table = f"race_{uuid.uuid4().hex[:8]}"
+    providers = [PostgresLeases(postgres_url, table=table) for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def first_use(provider: LeaseProvider, i: int) -> None:
+        try:
+            lease = provider.try_acquire(f"n{i}", 5.0)
+            assert lease is not None
+            lease.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_use, args=(p, i)) for i, p in enumerate(providers)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert errors == []
+        with psycopg.connect(postgres_url) as conn:
+            row = conn.execute("SELECT count(*) FROM pg_tables WHERE tablename = %s", (table,))
+            assert row.fetchone() == (1,)
+    finally:
+        for provider in providers:
+            provider.close()
+        drop_table(postgres_url, table)
+
+
+@pytest.mark.backend
+def test_postgres_accepts_a_schema_qualified_table(postgres_url: str) -> None:
+    table = f"public.q_{uuid.uuid4().hex[:8]}"
+    try:
+        with PostgresLeases(postgres_url, table=table) as leases:
+            lease = leases.try_acquire("n", 5.0)
+            assert lease is not None
+            lease.release()
+    finally:
+        drop_table(postgres_url, table.split(".")[1])
+
+
+@pytest.mark.backend
+def test_postgres_non_durable_mode_still_works(postgres_url: str) -> None:
+    table = f"nd_{uuid.uuid4().hex[:8]}"
+    try:
+        with PostgresLeases(postgres_url, table=table, durable=False) as leases:
+            lease = leases.try_acquire("n", 5.0)
+            assert lease is not None
+            lease.release()
+    finally:
+        drop_table(postgres_url, table)
+
+
+def test_redis_rejects_an_empty_prefix() -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        RedisLeases("redis://127.0.0.1:1/0", prefix="")
+
+
+def test_postgres_rejects_bad_pool_sizes() -> None:
+    with pytest.raises(ValueError, match="min_size"):
+        PostgresLeases("postgresql://unused", min_size=3, max_size=2)
+
+
+# -- the memory store on a fake clock: expiry logic in virtual time --------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_memory_store_expiry_and_at_least_for_in_virtual_time() -> None:
+    clock = FakeClock()
+    store = MemoryLeaseStore(clock)
+    with MemoryLeases(store) as a, MemoryLeases(store) as b:
+        lease = a.try_acquire("n", at_most_for=10.0, at_least_for=4.0)
+        assert lease is not None
+        clock.now += 1.0
+        lease.release()
+        assert b.try_acquire("n", 10.0) is None  # released, but inside at_least_for
+        clock.now += 2.9
+        assert b.try_acquire("n", 10.0) is None
+        clock.now += 0.2  # 4.1 s after the grant
+        second = b.try_acquire("n", 10.0)
+        assert second is not None
+        clock.now += 10.0  # expired, nobody released it
+        third = a.try_acquire("n", 10.0)
+        assert third is not None
+        assert lease.token < second.token < third.token
+        clock.now += 3.0
+        third.extend(10.0)
+        clock.now += 9.0  # 12 s after the grant, 9 s after the extension
+        assert b.try_acquire("n", 10.0) is None
+        third.release()
+
+
+# -- URLs -----------------------------------------------------------------------------------
+
+
+def test_leases_from_url_picks_the_backend(tmp_path: Path) -> None:
+    with leases_from_url("memory://") as memory:
+        assert isinstance(memory, MemoryLeases)
+    with leases_from_url(f"sqlite://{tmp_path / 'x.db'}", table="t") as sqlite:
+        assert isinstance(sqlite, SqliteLeases)
+        assert sqlite.table == "t"
+        assert sqlite.path == str(tmp_path / "x.db")
+    with pytest.raises(ValueError, match="unknown lease store scheme"):
+        leases_from_url("mongodb://x")
+    with pytest.raises(ValueError, match="expected scheme"):
+        leases_from_url("leases.db")
+    with pytest.raises(ValueError, match="no database path"):
+        leases_from_url("sqlite://")
+
+
+@pytest.mark.backend
+def test_leases_from_url_opens_server_backends(postgres_url: str, redis_url: str) -> None:
+    table = f"url_{uuid.uuid4().hex[:8]}"
+    try:
+        with leases_from_url(postgres_url, table=table) as pg:
+            assert isinstance(pg, PostgresLeases)
+            assert pg.try_acquire("n", 1.0) is not None
+        with leases_from_url(redis_url, prefix=f"url:{table}:") as rd:
+            assert isinstance(rd, RedisLeases)
+            assert rd.try_acquire("n", 1.0) is not None
+    finally:
+        drop_table(postgres_url, table)
+
+
+@pytest.fixture
+def unreachable_port() -> Iterator[int]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]  # bound, never listening: connections are refused
+
+
+def test_an_unreachable_redis_is_a_clear_error(unreachable_port: int) -> None:
+    from rxcoord.leases import LeaseStoreUnavailable
+
+    with RedisLeases(f"redis://127.0.0.1:{unreachable_port}/0", timeout=1.0) as leases:
+        with pytest.raises(LeaseStoreUnavailable, match="Redis lease store failed to grant"):
+            leases.try_acquire("n", 1.0)
+        assert leases.stats().store_errors == 1
+
+
+def test_an_unreachable_postgres_is_a_clear_error(unreachable_port: int) -> None:
+    from rxcoord.leases import LeaseStoreUnavailable
+
+    url = f"postgresql://postgres@127.0.0.1:{unreachable_port}/x"
+    with (
+        PostgresLeases(url, timeout=0.5) as leases,
+        pytest.raises(LeaseStoreUnavailable, match="PostgreSQL lease store failed"),
+    ):
+        leases.try_acquire("n", 1.0)
+
+
+def test_an_unopenable_sqlite_file_is_a_clear_error(tmp_path: Path) -> None:
+    from rxcoord.leases import LeaseStoreUnavailable
+
+    with SqliteLeases(tmp_path / "missing" / "dir" / "x.db") as leases:
+        with pytest.raises(LeaseStoreUnavailable, match="SQLite lease store") as caught:
+            leases.try_acquire("n", 1.0)
+        assert isinstance(caught.value.__cause__, sqlite3.Error)
+
+
+def test_repr_names_the_backend_and_state(tmp_path: Path) -> None:
+    leases = SqliteLeases(tmp_path / "x.db")
+    lease = leases.try_acquire("n", 5.0)
+    assert "SqliteLeases" in repr(leases)
+    assert "open" in repr(leases)
+    assert "token=1" in repr(lease)
+    leases.close()
+    assert "closed" in repr(leases)

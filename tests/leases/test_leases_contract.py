@@ -1,0 +1,588 @@
+"""The lease contract, run against every provider: memory, sqlite, postgres, redis.
+
+Durations are short (0.3-1 s) so the suite stays quick; the only sleeps let a lease expire on
+the store's clock, with margins. Nothing here asserts speed: the wake-up test compares two paths
+of the same run as a ratio.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rxcoord.leases import (
+    DistributedLease,
+    LeaseLost,
+    LeaseProvider,
+    LeaseProviderClosed,
+    LockTimeout,
+)
+
+from .conftest import Backend, wait_until
+
+# Margin added to an expiry before relying on it: covers the store round trip and scheduling.
+MARGIN = 0.15
+
+
+# -- exclusion ------------------------------------------------------------------------------
+
+
+def test_lease_excludes_other_holders_until_released(backend: Backend, name: str) -> None:
+    first, second = backend.new(), backend.new()
+    lease = first.try_acquire(name, at_most_for=5.0)
+    assert lease is not None
+    assert lease.name == name
+    assert lease.held
+    assert second.try_acquire(name, at_most_for=5.0) is None
+    assert first.try_acquire(name, at_most_for=5.0) is None  # not reentrant, even for its owner
+    lease.release()
+    assert lease.released
+    again = second.try_acquire(name, at_most_for=5.0)
+    assert again is not None
+    again.release()
+
+
+def test_names_are_independent(leases: LeaseProvider, name: str) -> None:
+    a = leases.try_acquire(name + "-a", 5.0)
+    b = leases.try_acquire(name + "-b", 5.0)
+    assert a is not None
+    assert b is not None
+    a.release()
+    b.release()
+
+
+def test_acquire_times_out_while_taken(backend: Backend, name: str) -> None:
+    holder = backend.new().acquire(name, at_most_for=5.0)
+    with pytest.raises(LockTimeout, match=name) as caught:
+        backend.new().acquire(name, at_most_for=5.0, timeout=0.2)
+    assert isinstance(caught.value, TimeoutError)
+    with pytest.raises(LockTimeout):
+        backend.new().acquire(name, timeout=0)
+    holder.release()
+
+
+def test_threads_never_hold_a_lease_at_once(backend: Backend, name: str) -> None:
+    providers = [backend.new(), backend.new()]
+    inside = 0
+    overlaps = 0
+    tokens: list[int] = []
+    guard = threading.Lock()
+
+    def work(provider: LeaseProvider) -> None:
+        nonlocal inside, overlaps
+        for _ in range(8):
+            with provider.lock(name, at_most_for=10.0, timeout=30.0) as lease:
+                with guard:
+                    inside += 1
+                    overlaps += inside > 1
+                    tokens.append(lease.token)
+                time.sleep(0.001)  # widen the window an overlap would need
+                with guard:
+                    inside -= 1
+
+    threads = [threading.Thread(target=work, args=(providers[i % 2],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert overlaps == 0
+    assert len(tokens) == 32
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == len(tokens)  # every critical section had a grant of its own
+
+
+# -- expiry and at_least_for ----------------------------------------------------------------
+
+
+def test_lease_expires_after_at_most_for(backend: Backend, name: str) -> None:
+    old = backend.new().try_acquire(name, at_most_for=0.3)
+    assert old is not None
+    other = backend.new()
+    assert other.try_acquire(name, at_most_for=5.0) is None
+    time.sleep(0.3 + MARGIN)
+    new = other.try_acquire(name, at_most_for=5.0)
+    assert new is not None
+    assert new.token > old.token
+    new.release()
+
+
+def test_at_least_for_keeps_the_name_taken_after_an_early_release(
+    backend: Backend, name: str
+) -> None:
+    holder, other = backend.new(), backend.new()
+    started = time.monotonic()
+    lease = holder.try_acquire(name, at_most_for=5.0, at_least_for=0.6)
+    assert lease is not None
+    lease.release()
+    assert lease.released
+    assert other.try_acquire(name, at_most_for=5.0) is None  # still inside at_least_for
+    waited = other.acquire(name, at_most_for=5.0, timeout=5.0)  # woken at the at_least_for end
+    # Granted no earlier than at_least_for after the grant (small margin for clock reads).
+    assert time.monotonic() - started >= 0.6 - 0.05
+    waited.release()
+
+
+def test_release_after_at_least_for_frees_the_name_at_once(backend: Backend, name: str) -> None:
+    lease = backend.new().try_acquire(name, at_most_for=5.0, at_least_for=0.2)
+    assert lease is not None
+    time.sleep(0.2 + MARGIN)
+    lease.release()
+    again = backend.new().try_acquire(name, at_most_for=5.0)
+    assert again is not None
+    again.release()
+
+
+def test_extend_moves_the_expiry(backend: Backend, name: str) -> None:
+    holder, other = backend.new(), backend.new()
+    lease = holder.try_acquire(name, at_most_for=0.4)
+    assert lease is not None
+    time.sleep(0.2)
+    lease.extend(1.0)  # now expires ~1.0 s from here, long after the original 0.4 s
+    assert lease.at_most_for == 1.0
+    time.sleep(0.2 + MARGIN)  # past the original expiry
+    assert other.try_acquire(name, at_most_for=5.0) is None
+    assert lease.stats().extensions == 1
+    lease.release()
+
+
+# -- fencing tokens -------------------------------------------------------------------------
+
+
+def test_tokens_strictly_increase_across_release_expiry_and_new_clients(
+    backend: Backend, name: str
+) -> None:
+    tokens: list[int] = []
+    first = backend.new()
+    lease = first.try_acquire(name, 5.0)
+    assert lease is not None
+    tokens.append(lease.token)
+    lease.release()
+    lease = first.try_acquire(name, 0.2)
+    assert lease is not None
+    tokens.append(lease.token)
+    time.sleep(0.2 + MARGIN)  # expires without release
+    lease = backend.new().try_acquire(name, 5.0)
+    assert lease is not None
+    tokens.append(lease.token)
+    lease.release()
+    first.close()  # a client restart: the counter lives in the store, not the client
+    lease = backend.new().try_acquire(name, 5.0)
+    assert lease is not None
+    tokens.append(lease.token)
+    lease.release()
+    assert tokens == sorted(set(tokens)), tokens
+
+
+# -- ownership and loss ---------------------------------------------------------------------
+
+
+def test_a_stale_holder_cannot_release_or_extend_the_new_holders_lease(
+    backend: Backend, name: str
+) -> None:
+    stale = backend.new().try_acquire(name, at_most_for=0.3)
+    assert stale is not None
+    time.sleep(0.3 + MARGIN)
+    current = backend.new().try_acquire(name, at_most_for=5.0)
+    assert current is not None
+
+    with pytest.raises(LeaseLost):
+        stale.extend(5.0)
+    with pytest.raises(LeaseLost):
+        stale.release()
+    assert stale.lost
+    # ShedLock's plain DEL would have freed the name here; the new holder still has it.
+    assert backend.new().try_acquire(name, 5.0) is None
+    assert current.held
+    current.release()
+
+
+def test_leases_of_two_threads_cannot_release_each_other(backend: Backend, name: str) -> None:
+    leases = backend.new()
+    mine = leases.try_acquire(name, at_most_for=0.3)
+    assert mine is not None
+    time.sleep(0.3 + MARGIN)
+    theirs: list[DistributedLease] = []
+    thread = threading.Thread(target=lambda: theirs.append(leases.acquire(name, 5.0, timeout=5)))
+    thread.start()
+    thread.join(10)
+    # Same provider, same name, another thread: the store tells the grants apart by token.
+    with pytest.raises(LeaseLost):
+        mine.release()
+    assert theirs[0].held
+    assert leases.try_acquire(name, 5.0) is None
+    # Ownership is the lease object, not the thread: any thread may release it.
+    releaser = threading.Thread(target=theirs[0].release)
+    releaser.start()
+    releaser.join(10)
+    assert theirs[0].released
+
+
+def test_an_expired_lease_is_lost_even_if_nobody_took_it(leases: LeaseProvider, name: str) -> None:
+    lease = leases.try_acquire(name, at_most_for=0.3)
+    assert lease is not None
+    time.sleep(0.3 + MARGIN)
+    with pytest.raises(LeaseLost):
+        lease.extend()
+    assert lease.lost
+
+
+def test_using_a_released_lease_raises_lease_lost(leases: LeaseProvider, name: str) -> None:
+    lease = leases.try_acquire(name, 5.0)
+    assert lease is not None
+    lease.release()
+    with pytest.raises(LeaseLost, match="already released"):
+        lease.release()
+    with pytest.raises(LeaseLost, match="already released"):
+        lease.extend()
+    assert not lease.lost
+
+
+def test_loss_is_reported_by_flag_callback_and_observable(leases: LeaseProvider, name: str) -> None:
+    lease = leases.try_acquire(name, at_most_for=0.3)
+    assert lease is not None
+    calls: list[LeaseLost] = []
+    events: list[object] = []
+    lease.on_lost(calls.append)
+    lease.when_lost.subscribe(events.append, on_completed=lambda: events.append("completed"))
+    time.sleep(0.3 + MARGIN)
+    with pytest.raises(LeaseLost) as caught:
+        lease.extend()
+    assert lease.lost
+    assert calls == [caught.value]
+    assert events == [caught.value, "completed"]
+    late: list[LeaseLost] = []
+    lease.on_lost(late.append)  # registered after the loss: told at once
+    assert late == [caught.value]
+    assert leases.stats().lost == 1
+
+
+def test_a_normal_release_completes_when_lost_without_a_loss(
+    leases: LeaseProvider, name: str
+) -> None:
+    lease = leases.try_acquire(name, 5.0)
+    assert lease is not None
+    calls: list[LeaseLost] = []
+    events: list[object] = []
+    lease.on_lost(calls.append)
+    lease.when_lost.subscribe(events.append, on_completed=lambda: events.append("completed"))
+    lease.release()
+    assert calls == []
+    assert events == ["completed"]
+
+
+# -- keep-alive -----------------------------------------------------------------------------
+
+
+def test_keep_alive_holds_the_lease_well_past_at_most_for(backend: Backend, name: str) -> None:
+    other = backend.new()
+    with backend.new().lock(name, at_most_for=0.3, keep_alive=True) as lease:
+        assert lease.keep_alive
+        deadline = time.monotonic() + 1.0  # more than three times at_most_for
+        while time.monotonic() < deadline:
+            assert other.try_acquire(name, 5.0) is None
+            time.sleep(0.05)
+        assert lease.held
+        assert lease.stats().extensions >= 3
+    assert lease.released
+    assert not lease.keep_alive
+    again = other.try_acquire(name, 5.0)
+    assert again is not None
+    again.release()
+
+
+def test_keep_alive_failure_marks_the_lease_lost_and_tells_the_holder(
+    backend: Backend, name: str
+) -> None:
+    holder = backend.new()
+    lease = holder.try_acquire(name, at_most_for=0.3)
+    assert lease is not None
+    time.sleep(0.3 + MARGIN)
+    thief = backend.new().try_acquire(name, 5.0)
+    assert thief is not None
+    told = threading.Event()
+    lease.on_lost(lambda _error: told.set())
+    lease.start_keep_alive()  # the first renewal is refused: the lease is someone else's
+    assert told.wait(5.0)
+    assert lease.lost
+    assert not lease.keep_alive
+    assert holder.stats().keep_alive == 0
+    with pytest.raises(LeaseLost):
+        lease.release()
+    assert thief.held
+    thief.release()
+
+
+# -- waiting --------------------------------------------------------------------------------
+
+
+def test_a_waiter_wakes_on_release_long_before_the_expiry(backend: Backend, name: str) -> None:
+    """Release-to-wake latency as a ratio of the time the expiry path would have taken."""
+    holder, waiter = backend.new(), backend.new()
+    lease = holder.acquire(name, at_most_for=3.0)
+    woken: list[float] = []
+
+    def wait() -> None:
+        waiter.acquire(name, 3.0, timeout=10.0)
+        woken.append(time.monotonic())
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_until(lambda: waiter.stats().waiting == 1, what="the waiter to wait")
+    time.sleep(0.05)  # let the waiter's subscription settle (the retry covers it otherwise)
+    expiry_path = lease.remaining  # when the waiter would wake without a notification
+    released = time.monotonic()
+    lease.release()
+    thread.join(15)
+    assert woken
+    ratio = (woken[0] - released) / expiry_path
+    assert ratio < 0.2, f"woke after {woken[0] - released:.3f}s of a {expiry_path:.3f}s expiry"
+
+
+def test_a_waiter_wakes_when_the_holders_lease_expires(backend: Backend, name: str) -> None:
+    """A crashed holder never releases: the store's expiry time is the waiter's deadline."""
+    crashed = backend.new().try_acquire(name, at_most_for=0.5)
+    assert crashed is not None
+    waiter = backend.new()
+    started = time.monotonic()
+    lease = waiter.acquire(name, 5.0, timeout=5.0)
+    assert time.monotonic() - started >= 0.5 - 0.1
+    assert lease.token > crashed.token
+    if backend.notifies:
+        # Not polling: the first try, one after the subscription, a couple at the expiry.
+        assert waiter.stats().busy <= 5, waiter.stats()
+    lease.release()
+
+
+def test_waiting_does_not_poll_a_store_that_notifies(backend: Backend, name: str) -> None:
+    if not backend.notifies:
+        pytest.skip(f"{backend.id} cannot notify other processes: waiters poll with backoff")
+    holder, waiter = backend.new(), backend.new()
+    lease = holder.acquire(name, at_most_for=5.0)
+    thread = threading.Thread(target=lambda: waiter.acquire(name, 5.0, timeout=10).release())
+    thread.start()
+    wait_until(lambda: waiter.stats().waiting == 1)
+    time.sleep(0.8)  # a poller would try dozens of times meanwhile
+    assert waiter.stats().busy <= 3, waiter.stats()
+    lease.release()
+    thread.join(10)
+
+
+# -- validation and lifecycle ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("", 1.0, 0.0), "empty"),
+        (("x" * 1025, 1.0, 0.0), "at most"),
+        (("a\x00b", 1.0, 0.0), "NUL"),
+        (("n", 0.0, 0.0), "at_most_for"),
+        (("n", -1.0, 0.0), "at_most_for"),
+        (("n", float("inf"), 0.0), "finite"),
+        (("n", 1.0, -0.1), "at_least_for"),
+        (("n", 1.0, 2.0), "must not exceed"),
+    ],
+    ids=[
+        "empty",
+        "too-long",
+        "nul",
+        "zero",
+        "negative",
+        "infinite",
+        "negative-least",
+        "least>most",
+    ],
+)
+def test_bad_arguments_raise_value_error(
+    leases: LeaseProvider, args: tuple[str, float, float], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        leases.try_acquire(*args)
+    with pytest.raises(ValueError, match=message):
+        leases.acquire(*args, timeout=1)
+    with pytest.raises(ValueError, match=message):
+        leases.run(args[0], lambda _: None, at_most_for=args[1], at_least_for=args[2])
+    assert leases.stats().granted == 0
+
+
+def test_wrong_types_raise_type_error(leases: LeaseProvider) -> None:
+    with pytest.raises(TypeError):
+        leases.try_acquire(42, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        leases.try_acquire("n", "1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        leases.acquire("n", 1.0, timeout=-1)
+
+
+def test_close_releases_held_leases_and_refuses_further_use(backend: Backend, name: str) -> None:
+    provider = backend.new()
+    lease = provider.acquire(name, at_most_for=30.0)
+    provider.close()
+    provider.close()  # idempotent
+    assert provider.closed
+    assert provider.stats().state == "closed"
+    assert lease.released
+    # Released on close: nobody waits 30 s for the name.
+    again = backend.new().try_acquire(name, 5.0)
+    assert again is not None
+    again.release()
+    with pytest.raises(LeaseProviderClosed, match="closed"):
+        provider.try_acquire(name, 5.0)
+    with pytest.raises(LeaseProviderClosed):
+        lease.release()
+
+
+def test_close_wakes_waiters_with_a_clear_error(backend: Backend, name: str) -> None:
+    holder = backend.new().acquire(name, at_most_for=10.0)
+    provider = backend.new()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            provider.acquire(name, 5.0, timeout=10.0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_until(lambda: provider.stats().waiting == 1)
+    provider.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert len(errors) == 1
+    assert isinstance(errors[0], LeaseProviderClosed)
+    holder.release()
+
+
+def test_providers_are_context_managers(backend: Backend, name: str) -> None:
+    with backend.new() as provider:
+        lease = provider.try_acquire(name, 5.0)
+        assert lease is not None
+    assert provider.closed
+    assert lease.released
+
+
+def test_lock_reports_a_lease_lost_during_the_block(backend: Backend, name: str) -> None:
+    holder, other = backend.new(), backend.new()
+    leases: list[DistributedLease] = []
+
+    def block() -> None:
+        with holder.lock(name, at_most_for=0.3) as lease:
+            leases.append(lease)
+            time.sleep(0.3 + MARGIN)
+            assert other.try_acquire(name, 5.0) is not None  # taken over meanwhile
+
+    with pytest.raises(LeaseLost):
+        block()
+    assert leases[0].lost
+
+
+def test_lock_lets_the_blocks_own_error_through(leases: LeaseProvider, name: str) -> None:
+    with pytest.raises(KeyError), leases.lock(name, 5.0) as lease:
+        raise KeyError("boom")
+    assert lease.released
+
+
+def test_stats_count_what_happened(backend: Backend, name: str) -> None:
+    provider = backend.new()
+    lease = provider.try_acquire(name, 5.0)
+    assert lease is not None
+    assert provider.try_acquire(name, 5.0) is None
+    lease.extend()
+    stats = provider.stats()
+    assert (stats.backend, stats.state, stats.held) == (backend.id, "open", 1)
+    assert (stats.granted, stats.busy, stats.extended) == (1, 1, 1)
+    lease.release()
+    stats = provider.stats()
+    assert (stats.held, stats.released, stats.lost, stats.store_errors) == (0, 1, 0, 0)
+    lease_stats = lease.stats()
+    assert (lease_stats.name, lease_stats.token, lease_stats.state) == (
+        name,
+        lease.token,
+        "released",
+    )
+
+
+# -- across processes -----------------------------------------------------------------------
+
+
+def _needs_processes(backend: Backend) -> None:
+    if backend.url is None:
+        pytest.skip(
+            f"{backend.id}: the store lives in one process; other processes cannot share it"
+        )
+
+
+def test_processes_incrementing_a_shared_counter_lose_no_update(
+    backend: Backend, name: str, tmp_path: Path
+) -> None:
+    _needs_processes(backend)
+    counter, log = tmp_path / "counter", tmp_path / "tokens"
+    counter.write_text("0")
+    log.write_text("")
+    workers = [backend.worker("counter", name, str(counter), str(log), "12") for _ in range(3)]
+    for worker in workers:
+        out, _ = worker.communicate(timeout=90)
+        assert worker.returncode == 0
+        assert '"done": true' in out
+    assert counter.read_text() == "36"
+    tokens = [int(line) for line in log.read_text().split()]
+    assert len(tokens) == 36
+    assert tokens == sorted(set(tokens))  # writes happened in grant order
+
+
+def test_a_killed_holder_blocks_the_name_until_at_most_for(backend: Backend, name: str) -> None:
+    _needs_processes(backend)
+    import json
+    import os
+    import signal
+
+    from .conftest import stop_process
+
+    worker = backend.worker("hold", name, "1.0")
+    try:
+        assert worker.stdout is not None
+        token = json.loads(worker.stdout.readline())["token"]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        leases = backend.new()
+        assert leases.try_acquire(name, 5.0) is None  # a dead holder still excludes
+        lease = leases.acquire(name, 5.0, timeout=5.0)  # ...until its lease expires
+        assert lease.token > token
+        lease.release()
+    finally:
+        stop_process(worker)
+
+
+def test_a_paused_holder_finds_its_lease_lost_and_its_token_stale(
+    backend: Backend, name: str
+) -> None:
+    _needs_processes(backend)
+    import json
+    import os
+    import signal
+
+    from .conftest import stop_process
+
+    worker = backend.worker("pause", name, "0.5")
+    try:
+        assert worker.stdout is not None
+        assert worker.stdin is not None
+        token = json.loads(worker.stdout.readline())["token"]
+        os.kill(worker.pid, signal.SIGSTOP)  # a GC pause, a frozen VM...
+        leases = backend.new()
+        lease = leases.acquire(name, 10.0, timeout=5.0)  # after the paused holder's expiry
+        assert lease.token > token  # a fenced resource would refuse the paused holder
+        os.kill(worker.pid, signal.SIGCONT)
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        result = json.loads(worker.stdout.readline())
+        assert result == {"extend": "LeaseLost", "release": "LeaseLost", "lost": True}
+        assert lease.held
+        assert backend.new().try_acquire(name, 5.0) is None  # its release freed nothing
+        lease.release()
+    finally:
+        stop_process(worker)
