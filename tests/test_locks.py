@@ -1,0 +1,896 @@
+"""KeyedLocks: each guarantee of the contract, one focused test (or a few) per point.
+
+Most tests use the Observable API on one thread, where delivery is synchronous and so fully
+deterministic; guarantees about threads use real threads and events. The exhaustive check of
+the granting rule is the hypothesis model in ``test_locks_model.py``; stress, starvation and
+the ten-threads-one-customer scenario are in ``test_locks_threads.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import pytest
+import reactivex
+from loguru import logger
+from reactivex import Observable, abc
+from reactivex import operators as ops
+from reactivex.testing import TestScheduler
+
+from rxcoord._errors import LeaseReleasedError, LockTimeout, RxcoordError
+from rxcoord._locks import KeyedLocks, KeyedLocksStats, Lease
+
+WAIT = 10.0  # generous bound for events that must happen; never reached when correct
+
+
+class Recorder(abc.ObserverBase[Lease]):
+    """An observer of ``acquire*``: remembers the lease, the error and the delivering thread."""
+
+    def __init__(self) -> None:
+        self.leases: list[Lease] = []
+        self.errors: list[Exception] = []
+        self.completed = False
+        self.threads: list[int] = []
+        self.done = threading.Event()
+
+    def on_next(self, lease: Lease) -> None:
+        self.threads.append(threading.get_ident())
+        self.leases.append(lease)
+
+    def on_error(self, error: Exception) -> None:
+        self.threads.append(threading.get_ident())
+        self.errors.append(error)
+        self.done.set()
+
+    def on_completed(self) -> None:
+        self.completed = True
+        self.done.set()
+
+    @property
+    def lease(self) -> Lease:
+        assert len(self.leases) == 1, self.leases
+        return self.leases[0]
+
+    @property
+    def granted(self) -> bool:
+        return bool(self.leases)
+
+
+def watch(source: Observable[Lease]) -> tuple[Recorder, abc.DisposableBase]:
+    recorder = Recorder()
+    return recorder, source.subscribe(recorder)
+
+
+def is_free(locks: KeyedLocks, key: Hashable) -> bool:
+    """True if a try-lock on ``key`` succeeds right now (and it is released at once)."""
+    try:
+        with locks.hold(key, timeout=0):
+            return True
+    except LockTimeout:
+        return False
+
+
+def in_thread(fn: Callable[[], object]) -> None:
+    """Run ``fn`` on a fresh thread and wait for it, re-raising its exception."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(fn).result(WAIT)
+
+
+# -- arguments ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda locks: locks.acquire([]), id="acquire"),
+        pytest.param(lambda locks: locks.acquire_many(["ok", []]), id="acquire_many"),
+        pytest.param(lambda locks: locks.hold({}), id="hold"),
+        pytest.param(lambda locks: locks.hold_many([{1}]), id="hold_many"),
+        pytest.param(lambda locks: locks.hold_async([]), id="hold_async"),
+        pytest.param(lambda locks: locks.hold_many_async([[]]), id="hold_many_async"),
+        pytest.param(lambda locks: locks.run([], lambda: 1), id="run"),
+        pytest.param(lambda locks: locks.run_many([[]], lambda: 1), id="run_many"),
+    ],
+)
+def test_unhashable_key_raises_type_error_at_the_call(
+    call: Callable[[KeyedLocks], object],
+) -> None:
+    locks = KeyedLocks()
+    with pytest.raises(TypeError, match="unhashable"):
+        call(locks)  # not at subscribe or enter time
+    assert len(locks) == 0
+
+
+def test_bulk_keys_are_checked() -> None:
+    locks = KeyedLocks()
+    with pytest.raises(TypeError, match="not str"):
+        locks.acquire_many("abc")  # would silently mean keys a, b, c
+    with pytest.raises(ValueError, match="at least one key"):
+        locks.hold_many([])
+    with locks.hold_many(["a", "b", "a"]) as lease:  # duplicates collapse
+        assert lease.keys == frozenset({"a", "b"})
+        assert len(locks) == 2
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"),
+    [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError), (True, TypeError)],
+)
+def test_bad_timeouts_are_refused(timeout: Any, error: type[Exception]) -> None:
+    locks = KeyedLocks()
+    for call in (
+        lambda: locks.acquire("k", timeout=timeout),
+        lambda: locks.acquire_all(timeout=timeout),
+        lambda: locks.hold("k", timeout=timeout),
+        lambda: locks.hold_many(["k"], timeout=timeout),
+        lambda: locks.hold_all_async(timeout=timeout),
+        lambda: locks.run("k", lambda: 1, timeout=timeout),
+    ):
+        with pytest.raises(error):
+            call()
+
+
+# -- 1. exclusion ------------------------------------------------------------------------------
+
+
+def test_hold_excludes_the_same_key_and_not_others() -> None:
+    locks = KeyedLocks()
+    with locks.hold("a") as lease:
+        assert lease.keys == frozenset({"a"})
+        assert not lease.is_global
+        assert not is_free(locks, "a")
+        assert is_free(locks, "b")
+        assert len(locks) == 1
+    assert lease.released
+    assert is_free(locks, "a")
+    assert len(locks) == 0
+
+
+def test_a_waiting_thread_gets_the_key_only_after_release() -> None:
+    locks = KeyedLocks()
+    inside = threading.Event()
+    order: list[str] = []
+    first = locks.hold("a")
+    first.__enter__()
+
+    def second() -> None:
+        with locks.hold("a"):
+            order.append("second in")
+            inside.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    # The second holder is parked in the wait queue (not spinning) until the release.
+    wait_for(lambda: locks.stats().waiting == 1)
+    assert not inside.is_set()
+    order.append("first out")
+    first.__exit__(None, None, None)
+    assert inside.wait(WAIT)
+    thread.join(WAIT)
+    assert order == ["first out", "second in"]
+    assert len(locks) == 0
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> None:
+    """Wait until another thread has reached a state (observed through ``stats()``)."""
+    done = threading.Event()
+    deadline = timeout
+    while not predicate():
+        # Condition-based: returns as soon as the predicate holds; the bound only turns a bug
+        # into a failure instead of a hang.
+        done.wait(0.001)
+        deadline -= 0.001
+        assert deadline > 0, "state not reached"
+
+
+# -- 2. ownerless leases -----------------------------------------------------------------------
+
+
+def test_a_lease_acquired_on_one_thread_is_released_on_another() -> None:
+    locks = KeyedLocks()
+    leases: list[Lease] = []
+    in_thread(lambda: leases.append(locks.hold("entity").__enter__()))
+    waiter, _ = watch(locks.acquire("entity"))
+    assert not waiter.granted
+    releaser: list[int] = []
+
+    def release() -> None:
+        releaser.append(threading.get_ident())
+        leases[0].release()  # a thread that never acquired it (a ReentrantLock would refuse)
+
+    in_thread(release)
+    assert waiter.granted
+    assert waiter.threads == releaser  # delivered by the releasing thread, synchronously
+    waiter.lease.release()
+    assert len(locks) == 0
+
+
+def test_double_release_raises_and_changes_nothing() -> None:
+    locks = KeyedLocks()
+    recorder, _ = watch(locks.acquire("a"))
+    lease = recorder.lease
+    lease.release()
+    waiter, _ = watch(locks.acquire("a"))
+    with pytest.raises(LeaseReleasedError, match="already released") as info:
+        lease.release()
+    assert isinstance(info.value, RxcoordError)
+    assert isinstance(info.value, RuntimeError)
+    assert not waiter.lease.released  # the second release did not free someone else's key
+    assert not is_free(locks, "a")
+    waiter.lease.release()
+
+
+def test_release_through_another_keyed_locks_raises() -> None:
+    mine, theirs = KeyedLocks(), KeyedLocks()
+    recorder, _ = watch(mine.acquire("a"))
+    with pytest.raises(ValueError, match="another KeyedLocks"):
+        theirs.release(recorder.lease)
+    assert not recorder.lease.released
+    with pytest.raises(TypeError):
+        mine.release("a")  # type: ignore[arg-type]
+    mine.release(recorder.lease)
+    assert recorder.lease.released
+    assert recorder.lease.owner is mine
+    with pytest.raises(LeaseReleasedError):
+        mine.release(recorder.lease)
+
+
+def test_a_hold_lease_is_entered_once_and_must_be_entered_before_release() -> None:
+    locks = KeyedLocks()
+    lease = locks.hold("a")
+    with pytest.raises(RuntimeError, match="never granted"):
+        lease.release()
+    with lease:
+        pass
+    with pytest.raises(LeaseReleasedError), lease:
+        pass
+    assert len(locks) == 0
+
+
+def test_leaving_the_block_after_an_explicit_release_is_fine() -> None:
+    locks = KeyedLocks()
+    with locks.hold("a") as lease:
+        lease.release()
+        assert is_free(locks, "a")
+    with locks.hold_many(["a", "b"]) as lease:
+        lease.release()
+    assert len(locks) == 0
+
+
+def test_not_reentrant() -> None:
+    locks = KeyedLocks()
+    with locks.hold("a"):
+        with pytest.raises(LockTimeout):  # the holder's own second request waits like anyone's
+            locks.hold("a", timeout=0).__enter__()
+        with pytest.raises(LockTimeout):
+            locks.hold("a", timeout=0.01).__enter__()
+        with pytest.raises(LockTimeout):
+            locks.hold_all(timeout=0).__enter__()
+    assert len(locks) == 0
+    assert locks.stats().waiting == 0
+
+
+# -- 3. non-blocking waits ---------------------------------------------------------------------
+
+
+def test_acquire_is_lazy_and_each_subscription_is_a_request() -> None:
+    locks = KeyedLocks()
+    source = locks.acquire("a")
+    assert len(locks) == 0  # nothing until subscribed
+    first, _ = watch(source)
+    second, _ = watch(source)
+    assert first.granted
+    assert first.completed
+    assert not second.granted
+    first.lease.release()
+    assert second.granted
+    assert second.completed
+    second.lease.release()
+
+
+def test_the_releasing_thread_delivers_before_release_returns() -> None:
+    locks = KeyedLocks()
+    holder, _ = watch(locks.acquire("a"))
+    waiter, _ = watch(locks.acquire("a"))
+    seen_during_release: list[bool] = []
+
+    def release() -> None:
+        holder.lease.release()
+        seen_during_release.append(waiter.granted)
+
+    in_thread(release)
+    assert seen_during_release == [True]  # no polling thread: the release itself hands over
+    assert waiter.threads[0] != threading.get_ident()
+
+
+def test_delivery_on_a_given_scheduler() -> None:
+    locks = KeyedLocks()
+    scheduler = TestScheduler()
+    holder, _ = watch(locks.acquire("a"))
+    waiter, _ = watch(locks.acquire("a", scheduler=scheduler))
+    holder.lease.release()
+    assert not waiter.granted  # granted, but delivery waits for the scheduler
+    assert not is_free(locks, "a")
+    scheduler.advance_by(1)
+    assert waiter.granted
+    assert waiter.completed
+    waiter.lease.release()
+    assert len(locks) == 0
+
+
+def test_a_chain_of_synchronous_handovers_does_not_recurse() -> None:
+    # Each subscriber releases inside on_next, which grants the next one: without the
+    # trampoline this would nest one stack frame group per waiter and overflow.
+    locks = KeyedLocks()
+    holder, _ = watch(locks.acquire("a"))
+    count = 5000
+    delivered: list[int] = []
+
+    def take(i: int) -> Callable[[Lease], None]:
+        def on_next(lease: Lease) -> None:
+            delivered.append(i)
+            lease.release()
+
+        return on_next
+
+    for i in range(count):
+        locks.acquire("a").subscribe(take(i))
+    holder.lease.release()
+    assert delivered == list(range(count))
+    assert len(locks) == 0
+
+
+# -- 4. bulk without a bulk mutex --------------------------------------------------------------
+
+
+def test_bulk_is_all_or_nothing() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    bulk, _ = watch(locks.acquire_many(["b", "a"]))
+    assert not bulk.granted
+    assert locks.stats().held == 1  # the bulk request holds nothing while it waits (not b)
+    a.lease.release()
+    assert bulk.granted  # both keys in one step
+    assert bulk.lease.keys == frozenset({"a", "b"})
+    assert not is_free(locks, "a")
+    assert not is_free(locks, "b")
+    bulk.lease.release()
+    assert len(locks) == 0
+
+
+def test_disjoint_bulk_requests_run_in_parallel() -> None:
+    locks = KeyedLocks()
+    first, _ = watch(locks.acquire_many(["a", "b"]))
+    second, _ = watch(locks.acquire_many(["c", "d"]))
+    assert first.granted
+    assert second.granted  # a bulk mutex would have serialised them
+    first.lease.release()
+    second.lease.release()
+
+
+def test_bulk_requests_in_opposite_key_orders_do_not_deadlock() -> None:
+    locks = KeyedLocks()
+    single, _ = watch(locks.acquire("b"))
+    forward, _ = watch(locks.acquire_many(["a", "b", "c"]))
+    backward, _ = watch(locks.acquire_many(["c", "b", "a"]))
+    assert not forward.granted
+    assert not backward.granted
+    single.lease.release()
+    assert forward.granted
+    forward.lease.release()
+    assert backward.granted
+    backward.lease.release()
+    assert len(locks) == 0
+
+
+# -- 5. global without polling ----------------------------------------------------------------
+
+
+def test_global_waits_for_granted_leases_and_is_granted_by_the_last_release() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    b, _ = watch(locks.acquire_many(["b", "c"]))
+    everything, _ = watch(locks.acquire_all())
+    assert not everything.granted
+    assert locks.stats().global_waiting == 1
+    a.lease.release()
+    assert not everything.granted
+    releaser: list[int] = []
+
+    def release() -> None:
+        releaser.append(threading.get_ident())
+        b.lease.release()
+
+    in_thread(release)
+    assert everything.granted  # event-driven: granted inside the last release
+    assert everything.threads == releaser
+    assert everything.lease.is_global
+    assert everything.lease.keys == frozenset()
+    stats = locks.stats()
+    assert stats.global_held
+    assert stats.held == 1
+    assert stats.keys == 0
+    everything.lease.release()
+    assert not locks.stats().global_held
+
+
+def test_nothing_requested_after_a_global_request_overtakes_it() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    everything, _ = watch(locks.acquire_all())
+    later = [
+        watch(locks.acquire("a"))[0],
+        watch(locks.acquire("never seen before"))[0],
+        watch(locks.acquire_many(["x", "y"]))[0],
+    ]
+    assert not any(r.granted for r in later)  # not even keys nobody holds or ever held
+    assert not is_free(locks, "another new key")
+    assert len(locks) == 4  # a, never seen before, x, y: waited on
+    a.lease.release()
+    assert everything.granted
+    assert not any(r.granted for r in later)
+    everything.lease.release()
+    assert all(r.granted for r in later)
+    for r in later:
+        r.lease.release()
+    assert len(locks) == 0
+
+
+def test_global_is_granted_at_once_when_nothing_is_held() -> None:
+    locks = KeyedLocks()
+    with locks.hold_all() as lease:
+        assert lease.is_global
+        assert not is_free(locks, "anything")
+    assert is_free(locks, "anything")
+
+
+def test_consecutive_globals_are_granted_one_after_another() -> None:
+    locks = KeyedLocks()
+    g1, _ = watch(locks.acquire_all())
+    g2, _ = watch(locks.acquire_all())
+    single, _ = watch(locks.acquire("a"))
+    g3, _ = watch(locks.acquire_all())
+    assert [g1.granted, g2.granted, single.granted, g3.granted] == [True, False, False, False]
+    g1.lease.release()
+    assert [g2.granted, single.granted, g3.granted] == [True, False, False]
+    g2.lease.release()
+    assert [single.granted, g3.granted] == [True, False]
+    single.lease.release()
+    assert g3.granted
+    g3.lease.release()
+    assert locks.stats() == KeyedLocksStats(0, 0, 0, False, 0, 3, 0, 0)
+
+
+def test_withdrawing_a_waiting_global_lets_the_requests_behind_it_through() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    everything, subscription = watch(locks.acquire_all())
+    b, _ = watch(locks.acquire("b"))
+    late_a, _ = watch(locks.acquire("a"))
+    assert not b.granted
+    subscription.dispose()  # the barrier is gone: b conflicts with nothing earlier
+    assert b.granted
+    assert not late_a.granted  # but a is still held
+    assert not everything.granted
+    a.lease.release()
+    assert late_a.granted
+    b.lease.release()
+    late_a.lease.release()
+    assert len(locks) == 0
+    assert locks.stats().cancelled_total == 1
+
+
+# -- 6. fairness ------------------------------------------------------------------------------
+
+
+def test_waiters_on_one_key_are_granted_in_request_order() -> None:
+    locks = KeyedLocks()
+    holder, _ = watch(locks.acquire("a"))
+    waiters = [watch(locks.acquire("a"))[0] for _ in range(5)]
+    previous = holder
+    for waiter in waiters:
+        assert sum(w.granted for w in waiters) == waiters.index(waiter)
+        previous.lease.release()
+        assert waiter.granted
+        previous = waiter
+    previous.lease.release()
+
+
+def test_a_bulk_request_is_not_starved_by_singles_on_its_free_key() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    bulk, _ = watch(locks.acquire_many(["a", "b"]))
+    # b is free, but every later request on b conflicts with the earlier bulk request.
+    stream = [watch(locks.acquire("b"))[0] for _ in range(3)]
+    assert not any(s.granted for s in stream)
+    a.lease.release()
+    assert bulk.granted
+    assert not any(s.granted for s in stream)
+    bulk.lease.release()
+    assert stream[0].granted
+
+
+def test_requests_that_conflict_with_nothing_earlier_are_granted_at_once() -> None:
+    locks = KeyedLocks()
+    watch(locks.acquire("a"))
+    watch(locks.acquire_many(["a", "b"]))
+    watch(locks.acquire("b"))
+    c, _ = watch(locks.acquire("c"))  # nothing earlier touches c
+    cd, _ = watch(locks.acquire_many(["c2", "d"]))
+    assert c.granted
+    assert cd.granted
+    assert locks.stats().contended_total == 2
+
+
+# -- 7. cancellation and timeouts --------------------------------------------------------------
+
+
+def test_disposing_a_waiting_request_withdraws_it_and_its_state() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    waiter, subscription = watch(locks.acquire_many(["a", "new"]))
+    behind, _ = watch(locks.acquire("new"))
+    assert len(locks) == 2
+    assert not behind.granted
+    subscription.dispose()
+    assert behind.granted  # it was only waiting behind the withdrawn request
+    behind.lease.release()
+    assert len(locks) == 1  # "new" is gone with its last request
+    a.lease.release()
+    assert not waiter.granted
+    assert len(locks) == 0
+    assert locks.stats().cancelled_total == 1
+
+
+def test_disposing_after_the_grant_keeps_the_lease() -> None:
+    locks = KeyedLocks()
+    recorder, subscription = watch(locks.acquire("a"))
+    subscription.dispose()
+    assert not recorder.lease.released
+    recorder.lease.release()
+
+
+def test_a_lease_granted_to_a_disposed_subscription_is_released() -> None:
+    locks = KeyedLocks()
+    scheduler = TestScheduler()
+    holder, _ = watch(locks.acquire("a"))
+    waiter, subscription = watch(locks.acquire("a", scheduler=scheduler))
+    holder.lease.release()  # granted to waiter; delivery queued on the scheduler
+    subscription.dispose()  # ... and the subscriber leaves before it arrives
+    assert not is_free(locks, "a")
+    scheduler.advance_by(1)
+    assert not waiter.granted
+    assert is_free(locks, "a")  # released, not lost
+    assert len(locks) == 0
+
+
+def test_a_lease_racing_with_disposal_is_delivered_not_dropped() -> None:
+    # reactivex's AutoDetachObserver drops on_next once dispose() has begun. Open exactly that
+    # window: dispose() starts on another thread (marking the observer stopped) and waits for
+    # the internal lock, held here, while the scheduled delivery runs. The lease must reach
+    # on_next (the subscriber releases it) instead of vanishing with the key locked forever.
+    locks = KeyedLocks()
+    scheduler = TestScheduler()
+    holder, _ = watch(locks.acquire("a"))
+    got: list[Lease] = []
+    subscription = locks.acquire("a", scheduler=scheduler).subscribe(got.append)
+    holder.lease.release()
+    with locks._mutex:  # white-box: the only deterministic way to hold dispose() midway
+        disposer = threading.Thread(target=subscription.dispose)
+        disposer.start()
+        wait_for(lambda: not disposer.is_alive() or _blocked(disposer))
+        scheduler.advance_by(1)
+    disposer.join(WAIT)
+    assert len(got) == 1
+    got[0].release()
+    assert len(locks) == 0
+
+
+def _blocked(thread: threading.Thread) -> bool:
+    """True once ``thread`` waits for a lock (its frame is in KeyedLocks' acquisition code)."""
+    import sys
+
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "dispose" and "_locks" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_acquire_timeout_errors_and_withdraws() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    bulk, _ = watch(locks.acquire_many(["a", "b"], timeout=0.05))
+    behind, _ = watch(locks.acquire("b"))
+    assert not behind.granted
+    assert bulk.done.wait(WAIT)
+    [error] = bulk.errors
+    assert isinstance(error, LockTimeout)
+    assert isinstance(error, TimeoutError)
+    assert "2 keys" in str(error)
+    wait_for(lambda: behind.granted)  # unblocked by the withdrawal (on a pool thread)
+    timer_threads = {t.ident for t in threading.enumerate() if t.name == "rxcoord-timer"}
+    assert not set(bulk.threads + behind.threads) & timer_threads  # user code off the timer
+    assert locks.stats().timeouts_total == 1
+    behind.lease.release()
+    a.lease.release()
+    assert len(locks) == 0
+
+
+def test_acquire_timeout_error_is_delivered_on_the_scheduler() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    scheduler = TestScheduler()
+    waiter, _ = watch(locks.acquire("a", timeout=0.01, scheduler=scheduler))
+    wait_for(lambda: locks.stats().timeouts_total == 1)
+    assert not waiter.errors
+
+    def delivered() -> bool:
+        scheduler.advance_by(1)
+        return bool(waiter.errors)
+
+    wait_for(delivered)
+    assert isinstance(waiter.errors[0], LockTimeout)
+    a.lease.release()
+
+
+def test_a_grant_before_the_deadline_cancels_the_timeout() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    waiter, _ = watch(locks.acquire("a", timeout=WAIT))
+    a.lease.release()
+    assert waiter.granted
+    assert waiter.completed
+    assert not waiter.errors
+    waiter.lease.release()
+    assert locks.stats().timeouts_total == 0
+
+
+def test_timeout_zero_is_a_try_lock_that_leaves_no_trace() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    failed, _ = watch(locks.acquire("a", timeout=0))
+    assert failed.done.is_set()  # synchronously
+    assert isinstance(failed.errors[0], LockTimeout)
+    free, _ = watch(locks.acquire("b", timeout=0))
+    assert free.granted
+    assert locks.stats().waiting == 0
+    assert locks.stats().contended_total == 0
+    free.lease.release()
+    a.lease.release()
+
+
+def test_hold_timeout_raises_and_withdraws() -> None:
+    locks = KeyedLocks()
+    errors: list[BaseException] = []
+    with locks.hold("a"):
+
+        def attempt() -> None:
+            try:
+                with locks.hold_many(["b", "a"], timeout=0.05):
+                    pass
+            except LockTimeout as exc:
+                errors.append(exc)
+
+        in_thread(attempt)
+        assert len(errors) == 1
+        assert len(locks) == 1  # only the holder's key: b was withdrawn with the request
+        assert locks.stats().waiting == 0
+    assert locks.stats().timeouts_total == 1
+
+
+def test_on_next_failure_releases_the_lease_and_reports_it() -> None:
+    locks = KeyedLocks()
+    errors: list[Exception] = []
+
+    def boom(lease: Lease) -> None:
+        raise RuntimeError("subscriber bug")
+
+    locks.acquire("a").subscribe(boom, errors.append)
+    assert [str(e) for e in errors] == ["subscriber bug"]
+    assert is_free(locks, "a")
+
+    # Delivered later, on the releasing thread: same outcome, and the releaser is unharmed.
+    holder, _ = watch(locks.acquire("a"))
+    locks.acquire("a").subscribe(boom, errors.append)
+    holder.lease.release()
+    assert len(errors) == 2
+    assert is_free(locks, "a")
+
+
+def test_a_failing_subscriber_without_on_error_does_not_break_the_releaser() -> None:
+    locks = KeyedLocks()
+    messages: list[str] = []
+    sink = logger.add(messages.append, level="ERROR", format="{message}")
+    logger.enable("rxcoord")
+    try:
+        holder, _ = watch(locks.acquire("a"))
+
+        def broken(lease: Lease) -> None:
+            raise ZeroDivisionError
+
+        locks.acquire("a").subscribe(broken)
+        follower, _ = watch(locks.acquire("a"))
+        holder.lease.release()  # must not raise ZeroDivisionError into the releaser
+        assert follower.granted  # the failed subscriber's lease was released
+        follower.lease.release()
+    finally:
+        logger.disable("rxcoord")
+        logger.remove(sink)
+    assert any("lease subscriber failed" in m for m in messages)
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+
+def test_run_releases_before_emitting_a_plain_result() -> None:
+    locks = KeyedLocks()
+    seen: list[tuple[str, bool]] = []
+
+    def work() -> str:
+        seen.append(("in fn", is_free(locks, "a")))
+        return "done"
+
+    locks.run("a", work).subscribe(lambda v: seen.append((v, is_free(locks, "a"))))
+    assert seen == [("in fn", False), ("done", True)]
+    assert len(locks) == 0
+
+
+def test_run_keeps_the_lease_while_the_observable_runs() -> None:
+    locks = KeyedLocks()
+    seen: list[tuple[object, bool]] = []
+    source = reactivex.of(1, 2)
+    locks.run_many(["a", "b"], lambda: source).subscribe(
+        lambda v: seen.append((v, is_free(locks, "b"))),
+        on_completed=lambda: seen.append(("completed", is_free(locks, "b"))),
+    )
+    assert seen == [(1, False), (2, False), ("completed", True)]
+
+
+def test_run_waits_its_turn_and_reports_errors() -> None:
+    locks = KeyedLocks()
+    holder, _ = watch(locks.acquire("a"))
+    results: list[object] = []
+    errors: list[Exception] = []
+
+    def fail() -> None:
+        raise ValueError("job failed")
+
+    locks.run("a", lambda: "first").subscribe(results.append)
+    locks.run("a", fail).subscribe(on_error=errors.append)
+    locks.run_all(lambda: "global").subscribe(results.append)
+    assert results == []
+    holder.lease.release()
+    assert results == ["first", "global"]
+    assert [str(e) for e in errors] == ["job failed"]
+    assert len(locks) == 0
+
+
+def test_disposing_run_disposes_the_work_and_releases() -> None:
+    locks = KeyedLocks()
+    scheduler = TestScheduler()
+    disposed: list[bool] = []
+
+    def work() -> Observable[int]:
+        return reactivex.never().pipe(ops.finally_action(lambda: disposed.append(True)))
+
+    subscription = locks.run("a", work, scheduler=scheduler).subscribe()
+    assert len(locks) == 1  # granted, delivery waits for the scheduler
+    scheduler.advance_by(1)
+    assert not is_free(locks, "a")
+    subscription.dispose()
+    assert disposed == [True]
+    assert is_free(locks, "a")
+
+    holder, _ = watch(locks.acquire("a"))
+    waiting = locks.run("a", lambda: 1).subscribe()
+    waiting.dispose()  # withdrawn while waiting
+    holder.lease.release()
+    assert len(locks) == 0
+    assert locks.stats().cancelled_total == 1
+
+
+def test_run_with_a_future() -> None:
+    locks = KeyedLocks()
+    future: concurrent.futures.Future[str] = concurrent.futures.Future()
+    results: list[str] = []
+    locks.run("a", lambda: future).subscribe(results.append)
+    assert not is_free(locks, "a")  # held until the future completes
+    future.set_result("value")
+    assert results == ["value"]
+    assert is_free(locks, "a")
+
+
+def test_run_with_a_coroutine_outside_an_event_loop_is_an_error() -> None:
+    locks = KeyedLocks()
+    errors: list[Exception] = []
+
+    async def job() -> int:
+        return 1
+
+    locks.run("a", job).subscribe(on_error=errors.append)
+    assert isinstance(errors[0], TypeError)
+    assert "event loop" in str(errors[0])
+    assert len(locks) == 0  # and the coroutine was closed: no "never awaited" warning
+
+
+def test_run_with_a_coroutine_in_a_loop() -> None:
+    locks = KeyedLocks()
+
+    async def main() -> int:
+        async def job() -> int:
+            await asyncio.sleep(0)
+            assert not is_free(locks, "a")
+            return 7
+
+        result: int = await locks.run("a", job)
+        return result
+
+    assert asyncio.run(main()) == 7
+    assert len(locks) == 0
+
+
+def test_run_timeout() -> None:
+    locks = KeyedLocks()
+    holder, _ = watch(locks.acquire("a"))
+    called: list[bool] = []
+    errors: list[Exception] = []
+    done = threading.Event()
+
+    def failed(error: Exception) -> None:
+        errors.append(error)
+        done.set()
+
+    locks.run("a", lambda: called.append(True), timeout=0.01).subscribe(on_error=failed)
+    assert done.wait(WAIT)
+    assert isinstance(errors[0], LockTimeout)
+    assert called == []
+    holder.lease.release()
+    assert len(locks) == 0
+
+
+# -- 8. no leak, stats -------------------------------------------------------------------------
+
+
+def test_many_distinct_keys_leave_nothing_behind() -> None:
+    locks = KeyedLocks()
+    sink: list[Lease] = []
+    for i in range(20_000):
+        with locks.hold(i):
+            pass
+        with locks.hold_many([("x", i), ("y", i)]):
+            pass
+        locks.acquire(("z", i)).subscribe(sink.append)
+        sink.pop().release()
+        locks.run(("r", i), lambda: None).subscribe()
+    assert len(locks) == 0
+    stats = locks.stats()
+    assert (stats.keys, stats.held, stats.waiting) == (0, 0, 0)
+
+
+def test_stats_is_a_frozen_snapshot() -> None:
+    locks = KeyedLocks()
+    with locks.hold("a"):
+        stats = locks.stats()
+    assert stats.held == 1
+    assert stats.keys == 1
+    assert locks.stats().held == 0  # the snapshot did not change
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.held = 2  # type: ignore[misc]
+    assert "held=0" in repr(locks)
+
+
+def test_lease_repr_and_context_manager() -> None:
+    locks = KeyedLocks()
+    recorder, _ = watch(locks.acquire("a"))
+    assert repr(recorder.lease) == "<Lease keys=['a'] held>"
+    with recorder.lease as lease:  # a granted lease entered as is, released on exit
+        assert lease is recorder.lease
+    assert repr(lease) == "<Lease keys=['a'] released>"
+    assert "all keys" in repr(locks.hold_all())
