@@ -254,3 +254,19 @@ def test_redis_tokens_survive_a_crash_with_fsynced_persistence(
         assert again is not None
         assert again.token > lease.token
         again.release()
+
+
+@pytest.mark.slow
+def test_the_first_call_after_a_quiet_restart_succeeds(store: Store) -> None:
+    """Pooled connections went stale while nobody called: they are replaced, not reported."""
+    name = f"job-{uuid.uuid4().hex[:8]}"
+    leases = store.make()
+    lease = leases.try_acquire(name, 5.0)  # the pool now holds an idle, connected connection
+    assert lease is not None
+    lease.release()
+    store.down()
+    store.up()
+    again = leases.try_acquire(name, 5.0)
+    assert again is not None
+    again.release()
+    assert leases.stats().store_errors == 0

@@ -1,0 +1,43 @@
+"""Smoke test: examples/scheduled_job.py runs as a user would run it, on each store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "scheduled_job.py"
+
+
+def run_example(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def check_output(out: str) -> None:
+    assert "slots run more than once: 0" in out
+    assert "stale writes refused: 1" in out
+    assert "REFUSED" in out
+
+
+def test_the_scheduled_job_example_runs_on_sqlite() -> None:
+    check_output(run_example())
+
+
+@pytest.mark.slow
+@pytest.mark.backend
+@pytest.mark.parametrize("store", ["postgres", "redis"])
+def test_the_scheduled_job_example_runs_on_a_server(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    url: str = request.getfixturevalue(f"{store}_url")
+    check_output(run_example("--url", url))
