@@ -191,6 +191,7 @@ class Lease:
         self._key = keys[0] if len(keys) == 1 else _MANY
         self._global = is_global
         self._state = _NEW
+        self._timeout = None
 
     @property
     def keys(self) -> frozenset[Hashable]:
@@ -261,8 +262,8 @@ class Lease:
             with locks._mutex:
                 # Nobody waits for the key and no global request exists (only then is the
                 # lease's segment the tail): nothing to grant, just forget the key.
-                seg = self._segment
-                if self._state == _HELD and seg is locks._tail:
+                if self._state == _HELD and self._segment is locks._tail:
+                    seg = self._segment
                     queues = locks._queues
                     entry = queues.pop(key)
                     if entry is self:
@@ -943,12 +944,15 @@ class KeyedLocks:
 
     def _release(self, lease: Lease) -> None:
         with self._mutex:
-            if lease._state != _HELD:
-                if lease._state == _DONE:
-                    raise LeaseReleasedError(f"{lease!r} was already released")
-                raise RuntimeError(f"{lease!r} was never granted: enter it with 'with' first")
-            granted = self._remove_global(lease) if lease._global else self._remove(lease)
-            lease._state = _DONE
+            state = lease._state
+            if state == _HELD:
+                granted = self._remove_global(lease) if lease._global else self._remove(lease)
+                lease._state = _DONE
+        # Messages are built outside the mutex: repr() of a key is user code.
+        if state == _DONE:
+            raise LeaseReleasedError(f"{lease!r} was already released")
+        if state != _HELD:
+            raise RuntimeError(f"{lease!r} was never granted: enter it with 'with' first")
         if granted is not None:
             _notify(granted)
 
@@ -987,14 +991,17 @@ class KeyedLocks:
 
     def _acquire_blocking(self, lease: Lease, timeout: float | None) -> Lease:
         with self._mutex:
-            if timeout == 0 and not self._can_grant_now(lease):
+            busy = timeout == 0 and not self._can_grant_now(lease)
+            if busy:
                 lease._state = _DONE
-                raise _timeout_error(lease, 0)
-            if self._enqueue(lease):
+            elif self._enqueue(lease):
                 return lease
-            waiter = threading.Lock()
-            waiter.acquire()
-            lease._notify = waiter.release
+            else:
+                waiter = threading.Lock()
+                waiter.acquire()
+                lease._notify = waiter.release
+        if busy:
+            raise _timeout_error(lease, 0)
         try:
             granted = waiter.acquire(True, -1 if timeout is None else min(timeout, _TIMEOUT_MAX))
         except BaseException:
@@ -1013,15 +1020,18 @@ class KeyedLocks:
         raise _timeout_error(lease, timeout)
 
     async def _acquire_async(self, lease: Lease, limit: float | None) -> Lease:
+        loop = asyncio.get_running_loop()
         with self._mutex:
-            if limit == 0 and not self._can_grant_now(lease):
+            busy = limit == 0 and not self._can_grant_now(lease)
+            if busy:
                 lease._state = _DONE
-                raise _timeout_error(lease, 0)
-            if self._enqueue(lease):
+            elif self._enqueue(lease):
                 return lease
-            loop = asyncio.get_running_loop()
-            future: asyncio.Future[None] = loop.create_future()
-            lease._notify = _AsyncWaiter(self, lease, loop, future).notify
+            else:
+                future: asyncio.Future[None] = loop.create_future()
+                lease._notify = _AsyncWaiter(self, lease, loop, future).notify
+        if busy:
+            raise _timeout_error(lease, 0)
         try:
             if limit is None:
                 await future
@@ -1366,9 +1376,24 @@ class _Acquisition:
 
 
 class _RunSink(_Target):
-    """One subscription to ``run*``: call ``fn`` under the lease, forward, release."""
+    """One subscription to ``run*``: call ``fn`` under the lease, forward, release.
 
-    __slots__ = ("acquisition", "done", "fn", "inner", "lease", "locks", "loop", "observer")
+    Disposal releases the lease, except while ``fn`` (or the subscription to the Observable it
+    returned) is executing on some thread: a running function cannot be stopped, so the lease
+    is released when it returns - exclusion holds for as long as the work can run.
+    """
+
+    __slots__ = (
+        "acquisition",
+        "done",
+        "fn",
+        "inner",
+        "lease",
+        "locks",
+        "loop",
+        "observer",
+        "running",
+    )
 
     acquisition: _Acquisition
 
@@ -1384,21 +1409,38 @@ class _RunSink(_Target):
         self.observer = observer
         self.loop = loop
         self.lease: Lease | None = None
-        self.done = False  # disposed or terminated
+        self.done = False  # disposed or terminated: nothing more is forwarded
+        self.running = False  # fn or the inner subscribe call is executing
         self.inner = SingleAssignmentDisposable()
 
     def on_lease(self, lease: Lease) -> None:
-        with self.locks._mutex:
+        mutex = self.locks._mutex
+        with mutex:
             abandoned = self.done
             if not abandoned:
                 self.lease = lease
+                self.running = True
         if abandoned:
             self.locks._release_if_held(lease)
             return
         try:
+            self._start_work()
+        finally:
+            with mutex:
+                self.running = False
+                # Disposed while the work ran: dispose() left the lease to us.
+                orphaned = self.done and self.lease is not None
+            if orphaned:
+                self._release()
+
+    def _start_work(self) -> None:
+        try:
             result = self.fn()
         except Exception as exc:
             self._terminate(exc)
+            return
+        if self.done:  # disposed while fn ran: do not start what it returned
+            _discard(result)
             return
         if isinstance(result, abc.ObservableBase):
             self.inner.disposable = result.subscribe(
@@ -1421,7 +1463,7 @@ class _RunSink(_Target):
                 return
             try:
                 future = asyncio.run_coroutine_threadsafe(coroutine, loop)
-            except RuntimeError as exc:  # loop closed
+            except RuntimeError as exc:  # the loop is closed
                 coroutine.close()
                 self._terminate(exc)
                 return
@@ -1435,16 +1477,15 @@ class _RunSink(_Target):
         self.observer.on_error(error)
 
     def _release(self) -> bool:
-        """Release the lease once; False if disposal (or another terminal) got there first."""
+        """Release the lease (once); True if the caller should forward its terminal."""
         with self.locks._mutex:
-            if self.done:
-                return False
+            forward = not self.done
             self.done = True
             lease = self.lease
             self.lease = None
         if lease is not None:
             self.locks._release_if_held(lease)
-        return True
+        return forward
 
     def _finish_value(self, value: Any) -> None:
         if self._release():
@@ -1473,14 +1514,23 @@ class _RunSink(_Target):
             self._finish_value(future.result())
 
     def dispose(self) -> None:
-        self.acquisition.dispose()
+        self.acquisition.dispose()  # withdraws the request if it still waits
         with self.locks._mutex:
-            lease = self.lease
-            self.lease = None
             self.done = True
-        self.inner.dispose()
+            lease = None if self.running else self.lease
+            if lease is not None:
+                self.lease = None
+        self.inner.dispose()  # stop the work first, then free the keys
         if lease is not None:
             self.locks._release_if_held(lease)
+
+
+def _discard(result: object) -> None:
+    """Drop what ``fn`` returned after its run was disposed, without leaking it."""
+    if inspect.iscoroutine(result):
+        result.close()
+    elif isinstance(result, concurrent.futures.Future) or asyncio.isfuture(result):
+        result.cancel()
 
 
 async def _await(awaitable: Awaitable[_R]) -> _R:

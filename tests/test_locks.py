@@ -20,6 +20,7 @@ import reactivex
 from loguru import logger
 from reactivex import Observable, abc
 from reactivex import operators as ops
+from reactivex.scheduler import NewThreadScheduler
 from reactivex.testing import TestScheduler
 
 from rxcoord._errors import LeaseReleasedError, LockTimeout, RxcoordError
@@ -794,6 +795,33 @@ def test_disposing_run_disposes_the_work_and_releases() -> None:
     holder.lease.release()
     assert len(locks) == 0
     assert locks.stats().cancelled_total == 1
+
+
+def test_disposing_run_while_fn_executes_keeps_the_lease_until_fn_returns() -> None:
+    locks = KeyedLocks()
+    entered, proceed = threading.Event(), threading.Event()
+    started: list[bool] = []
+    results: list[int] = []
+
+    def later() -> Observable[int]:
+        started.append(True)
+        return reactivex.of(1)
+
+    def fn() -> Observable[int]:
+        entered.set()
+        assert proceed.wait(WAIT)
+        return reactivex.defer(lambda _: later())
+
+    scheduler = NewThreadScheduler()
+    subscription = locks.run("a", fn, scheduler=scheduler).subscribe(results.append)
+    assert entered.wait(WAIT)
+    subscription.dispose()
+    assert not is_free(locks, "a")  # fn cannot be stopped, so it keeps its exclusion
+    proceed.set()
+    wait_for(lambda: is_free(locks, "a"))  # released as soon as fn returned
+    assert started == []  # what fn returned was not started after the disposal
+    assert results == []
+    assert len(locks) == 0
 
 
 def test_run_with_a_future() -> None:
