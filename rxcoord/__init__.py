@@ -5,6 +5,7 @@ Layers, each built on the ones before it:
 1. :func:`serialize_by_key` - per-key ordered processing, keys in parallel, no per-key leak.
 2. :class:`TenantTaskCoordinator` - a concurrency limit, a bounded queue (``TooManyTasks``),
    per-key ordering, cancellation and timeouts for sync and async jobs.
+3. :class:`TenantScheduler` - many tenants, one global limit, fair shares, idle tenants evicted.
 
 rxcoord logs with loguru and, as a library, is silent until you call
 ``loguru.logger.enable("rxcoord")``.
@@ -23,6 +24,7 @@ from ._errors import (
     RxcoordError,
     TooManyTasks,
 )
+from ._tenant_scheduler import SchedulerStats, TenantScheduler
 from .operators import serialize_by_key
 
 __version__ = "0.1.0"
@@ -37,6 +39,8 @@ __all__ = [
     "LeaseStoreUnavailable",
     "LockTimeout",
     "RxcoordError",
+    "SchedulerStats",
+    "TenantScheduler",
     "TenantTaskCoordinator",
     "TooManyTasks",
     "__version__",

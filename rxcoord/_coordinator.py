@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable, Generator, Hashable
 from dataclasses import dataclass
 from enum import Enum
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, cast, overload
 
 from loguru import logger
 from reactivex import Observable, abc
@@ -73,6 +73,7 @@ _get_running_loop: Final = asyncio._get_running_loop  # C fast path, no exceptio
 _QUEUED: Final = 0
 _RUNNING: Final = 1
 _DONE: Final = 2
+_GATED: Final = 3  # its turn came, waiting for a global slot (TenantScheduler's gate)
 
 
 class CoordinatorState(Enum):
@@ -188,19 +189,31 @@ _DETACHED: Final = Disposable()
 _KEYED: Final = object()  # tags user keys so they can never equal an unkeyed task's own key
 
 
+class _Submit(Protocol):
+    def __call__(
+        self,
+        job: Callable[[], Any],
+        key: Hashable | None,
+        timeout: float | None,
+        is_async: bool,
+        observer: abc.ObserverBase[Any],
+        scheduler: abc.SchedulerBase | None,
+    ) -> abc.DisposableBase: ...
+
+
 class _Execution(Observable[_T]):
     """The cold Observable ``execute`` returns: each subscription is one submission."""
 
     def __init__(
         self,
-        coordinator: TenantTaskCoordinator,
+        submit: _Submit,
         job: Callable[[], Any],
         key: Hashable | None,
         timeout: float | None,
         is_async: bool,
     ) -> None:
         super().__init__()
-        self._coordinator = coordinator
+        self._submit = submit  # TenantTaskCoordinator._submit, or TenantScheduler's for a tenant
         self._job = job
         self._key = key
         self._timeout = timeout
@@ -209,7 +222,7 @@ class _Execution(Observable[_T]):
     def _subscribe_core(
         self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
     ) -> abc.DisposableBase:
-        return self._coordinator._submit(
+        return self._submit(
             self._job, self._key, self._timeout, self._is_async, observer, scheduler
         )
 
@@ -233,7 +246,7 @@ class _Execution(Observable[_T]):
             observer = cast(abc.ObserverBase[_T], on_next)
         else:
             observer = _Callbacks(on_next, on_error, on_completed)
-        return self._coordinator._submit(
+        return self._submit(
             self._job, self._key, self._timeout, self._is_async, observer, scheduler
         )
 
@@ -246,7 +259,7 @@ class _Execution(Observable[_T]):
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[_T] = loop.create_future()
-        subscription = self._coordinator._submit(
+        subscription = self._submit(
             self._job, self._key, self._timeout, self._is_async, _Resolver(future), None
         )
 
@@ -318,6 +331,22 @@ def _unhandled(error: Exception) -> None:
     raise error
 
 
+def _execution(
+    submit: _Submit,
+    job: Callable[[], Any],
+    key: Hashable | None,
+    timeout: float | None,
+    default_timeout: float | None,
+) -> _Execution[Any]:
+    """Validate ``execute``'s arguments at the call and build its cold Observable."""
+    if not callable(job):
+        raise TypeError(f"job must be callable, not {job!r}")
+    if key is not None:
+        hash(key)  # an unhashable key fails here, at the call
+    timeout = default_timeout if timeout is None else _validate_timeout(timeout, "timeout")
+    return _Execution(submit, job, key, timeout, inspect.iscoroutinefunction(job))
+
+
 def _validate_timeout(timeout: float | None, what: str) -> float | None:
     if timeout is None:
         return None
@@ -338,6 +367,21 @@ def _validate_count(value: int, what: str, minimum: int) -> int:
 
 def _identity(task: _Task) -> _Task:
     return task
+
+
+class _Gate(Protocol):
+    """A global admission limit shared by several coordinators (see TenantScheduler).
+
+    ``request`` queues a task whose turn came; the gate calls ``coordinator._granted(task)``
+    (outside its own lock) once a global slot is free. ``withdraw`` takes back a task that was
+    not granted yet; ``release`` returns a granted slot.
+    """
+
+    def request(self, lane: Any, task: _Task) -> None: ...
+
+    def withdraw(self, lane: Any, task: _Task) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 class TenantTaskCoordinator(abc.DisposableBase):
@@ -414,7 +458,7 @@ class TenantTaskCoordinator(abc.DisposableBase):
         self._scheduler_loop: asyncio.AbstractEventLoop | None = None
         self._virtual: VirtualTimeScheduler | None = None
         if scheduler is None:
-            self._pool = WorkerPool(max_concurrency, f"rxcoord-{name or 'coordinator'}")
+            self._pool = self._make_pool()
         elif isinstance(scheduler, AsyncIOScheduler):
             self._scheduler_loop = scheduler._loop
         elif isinstance(scheduler, VirtualTimeScheduler):
@@ -423,6 +467,18 @@ class TenantTaskCoordinator(abc.DisposableBase):
             raise TypeError(f"scheduler must be a reactivex scheduler or None, not {scheduler!r}")
 
         self._sink, self._pipeline = self._build_pipeline()
+
+    # Hooks for TenantScheduler's per-tenant coordinators: a shared pool, a global gate and a
+    # callback when the coordinator runs out of work.
+    _gate: _Gate | None = None
+    _gate_lane: Any = None
+    _owns_pool = True
+
+    def _make_pool(self) -> WorkerPool:
+        return WorkerPool(self._max_concurrency, f"rxcoord-{self._name or 'coordinator'}")
+
+    def _became_idle(self) -> None:
+        """Called (outside the lock) each time the work in progress drops to zero."""
 
     def _build_pipeline(self) -> tuple[Subject[_Task], abc.DisposableBase]:
         """The sink, and the pipeline from it: per-key order and the cap; each task runs itself."""
@@ -533,12 +589,7 @@ class TenantTaskCoordinator(abc.DisposableBase):
                 number.
             ValueError: ``timeout`` is not positive.
         """
-        if not callable(job):
-            raise TypeError(f"job must be callable, not {job!r}")
-        if key is not None:
-            hash(key)  # an unhashable key fails here, at the call
-        timeout = self._timeout if timeout is None else _validate_timeout(timeout, "timeout")
-        return _Execution(self, job, key, timeout, inspect.iscoroutinefunction(job))
+        return _execution(self._submit, job, key, timeout, self._timeout)
 
     def close(self, wait: bool = True) -> None:
         """Close the coordinator; idempotent.
@@ -558,7 +609,7 @@ class TenantTaskCoordinator(abc.DisposableBase):
         for task in tasks:
             self._cancel(task, error)
         self._pipeline.dispose()
-        if self._pool is not None:
+        if self._pool is not None and self._owns_pool:
             self._pool.shutdown(wait=wait)
         with self._lock:
             self._state = CoordinatorState.CLOSED
@@ -628,11 +679,15 @@ class TenantTaskCoordinator(abc.DisposableBase):
     # -- running -------------------------------------------------------------------------------
 
     def _start(self, task: _Task) -> None:
-        """The task's turn came (serialize_by_key subscribed it): hand the job off, or drop it."""
+        """The task's turn came (serialize_by_key subscribed it): start the job, or drop it."""
+        gate = self._gate
         with self._lock:
             if task.settled:  # cancelled (or closed) while queued: it never starts
                 task.state = _DONE
                 drop = True
+            elif gate is not None:
+                task.state = _GATED
+                drop = False
             else:
                 task.state = _RUNNING
                 self._queued -= 1
@@ -640,7 +695,32 @@ class TenantTaskCoordinator(abc.DisposableBase):
                 drop = False
         if drop:
             self._release_slot(task)
-            return
+        elif gate is not None:
+            gate.request(self._gate_lane, task)  # counted as queued until a global slot frees
+        else:
+            self._begin(task)
+
+    def _granted(self, task: _Task) -> bool:
+        """The gate gave ``task`` a global slot; False if it was cancelled meanwhile."""
+        with self._lock:
+            self._queued -= 1
+            if task.settled:
+                task.state = _DONE
+                self._tasks.discard(task)
+                idle = self._queued + self._running == 0
+            else:
+                task.state = _RUNNING
+                self._running += 1
+        if task.state is _DONE:
+            self._release_slot(task)
+            if idle:
+                self._became_idle()
+            return False
+        self._begin(task)
+        return True
+
+    def _begin(self, task: _Task) -> None:
+        """Run the job now: arm its timeout (counted from here) and hand it off."""
         if task.timeout is not None:
             self._arm_timeout(task, task.timeout)
         try:
@@ -729,9 +809,16 @@ class TenantTaskCoordinator(abc.DisposableBase):
             task.timer = None
             task.job = None
             task.handle = None
+            idle = self._queued + self._running == 0
         if timer is not None:
             timer()
+        # Free the tenant's own slot first: its next job then queues at the gate before the
+        # global slot is handed out, and competes for it fairly.
         self._release_slot(task)
+        if self._gate is not None:
+            self._gate.release()
+        if idle:
+            self._became_idle()
         if deliver:
             if error is None:
                 self._deliver(task, value, None)
@@ -772,16 +859,19 @@ class TenantTaskCoordinator(abc.DisposableBase):
 
     def _cancel(self, task: _Task, error: Exception | None) -> None:
         """Cancel ``task``: on its subscriber's dispose (``error`` None) or on close."""
+        idle = False
         with self._lock:
             if task.settled:
                 return
             task.settled = True
             self._cancelled += 1
-            if task.state is _QUEUED:
+            state = task.state
+            if state is _QUEUED:
                 # Leaves the counters at once; the pipeline drops it when its turn comes.
                 self._queued -= 1
                 self._tasks.discard(task)
                 task.job = None
+                idle = self._queued + self._running == 0
             handle = task.handle
             timer = task.timer
             task.timer = None
@@ -789,8 +879,24 @@ class TenantTaskCoordinator(abc.DisposableBase):
             timer()
         if handle is not None:
             self._cancel_async(task, handle)
+        if (
+            state is _GATED
+            and self._gate is not None
+            and self._gate.withdraw(self._gate_lane, task)
+        ):
+            # Taken back before a global slot was granted: it never starts. (Otherwise the
+            # gate is granting it right now and _granted sees the task settled.)
+            with self._lock:
+                task.state = _DONE
+                self._queued -= 1
+                self._tasks.discard(task)
+                task.job = None
+                idle = self._queued + self._running == 0
+            self._release_slot(task)
         if error is not None:
             self._deliver(task, None, error)
+        if idle:
+            self._became_idle()
 
     def _cancel_async(self, task: _Task, handle: asyncio.Future[Any]) -> None:
         loop = task.job_loop

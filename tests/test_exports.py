@@ -19,6 +19,8 @@ EXPECTED_ROOT = {
     "LeaseStoreUnavailable",
     "LockTimeout",
     "RxcoordError",
+    "SchedulerStats",
+    "TenantScheduler",
     "TenantTaskCoordinator",
     "TooManyTasks",
     "__version__",
