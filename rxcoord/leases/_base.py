@@ -463,8 +463,11 @@ class LeaseProvider(ABC):
                 poll = self._poll_min
                 while isinstance(result, float):
                     delay, poll = self._next_delay(result, watch, poll, deadline, name, wait)
+                    # asyncio.timeout, not wait_for: on 3.11, wait_for can swallow a
+                    # cancellation that arrives just as the wake-up does.
                     with suppress(TimeoutError):
-                        await asyncio.wait_for(wake.wait(), delay)
+                        async with asyncio.timeout(delay):
+                            await wake.wait()
                     wake.clear()
                     result = await self._attempt_async(name, most, least)
             finally:

@@ -1,0 +1,392 @@
+"""Benchmark rxcoord's distributed leases against the usual alternatives, on the same servers.
+
+Redis (one server, one client process):
+    try_acquire + release pairs per second for ``RedisLeases``, redis-py's ``Lock``,
+    python-redis-lock, and the raw ``SET NX PX`` + ``DEL`` pair (no token check: the floor);
+    round trips per pair (counted by the client connection) and server commands per pair (from
+    ``INFO commandstats``, which also counts the commands Lua scripts run);
+    hand-off latency: the holder releases in one process, the waiter wakes in another
+    (``time.monotonic`` is one system-wide clock on Linux, so the two processes' readings
+    compare).
+PostgreSQL:
+    pairs per second for ``PostgresLeases`` (durable, and with ``durable=False``) against a plain
+    ``pg_try_advisory_lock`` / ``pg_advisory_unlock`` pair, and hand-off latency.
+
+Repetitions alternate the contenders and the medians are printed with ratios: the machine is a
+noisy shared 2-core box, so only ratios within one run mean much. Usage::
+
+    python benchmarks/bench_leases.py [--redis-url URL] [--postgres-url URL]
+                                      [--pairs N] [--repeat R] [--handoffs H] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import redis
+from redis.connection import Connection as RedisConnection
+
+from rxcoord.leases import PostgresLeases, RedisLeases
+
+Pair = Callable[[], None]
+
+
+class CountingConnection(RedisConnection):
+    """A redis-py connection that counts what it sends: one send is one round trip."""
+
+    sent = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sent += 1
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
+
+
+def redis_client(url: str, *, counting: bool = False) -> redis.Redis:
+    kwargs: dict[str, Any] = {}
+    if counting:
+        kwargs["connection_class"] = CountingConnection
+    pool = redis.ConnectionPool.from_url(url, **kwargs)
+    return redis.Redis(connection_pool=pool)
+
+
+# -- Redis contenders ------------------------------------------------------------------------
+
+
+def redis_contenders(url: str, client: redis.Redis, prefix: str) -> dict[str, tuple[Pair, Any]]:
+    """name -> (one acquire+release pair, an object to close afterwards)."""
+    import redis_lock
+
+    # The same connection settings as the other contenders (RedisLeases makes its own
+    # connections, without redis-py's retries: see rxcoord/leases/_backends/_redis.py).
+    leases = RedisLeases(url, prefix=prefix, client=client)
+
+    def ours() -> None:
+        lease = leases.try_acquire("bench", 30.0)
+        assert lease is not None
+        lease.release()
+
+    def redis_py_lock() -> None:
+        lock = client.lock(prefix + "redis-py", timeout=30)
+        assert lock.acquire(blocking=False)
+        lock.release()
+
+    def python_redis_lock() -> None:
+        lock = redis_lock.Lock(client, prefix + "prl", expire=30)
+        assert lock.acquire(blocking=False)
+        lock.release()
+
+    def raw_pair() -> None:
+        assert client.set(prefix + "raw", b"1", nx=True, px=30000)
+        client.delete(prefix + "raw")
+
+    return {
+        "RedisLeases": (ours, leases),
+        "redis-py Lock": (redis_py_lock, None),
+        "python-redis-lock": (python_redis_lock, None),
+        "raw SET NX PX + DEL": (raw_pair, None),
+    }
+
+
+def pairs_per_second(pair: Pair, n: int) -> float:
+    started = time.perf_counter()
+    for _ in range(n):
+        pair()
+    return n / (time.perf_counter() - started)
+
+
+def measure(contenders: dict[str, Pair], pairs: int, repeat: int) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {name: [] for name in contenders}
+    for pair in contenders.values():  # warm up: scripts loaded, connections open
+        for _ in range(50):
+            pair()
+    for _ in range(repeat):
+        for name, pair in contenders.items():  # alternate, so drift hits everyone alike
+            results[name].append(pairs_per_second(pair, pairs))
+    return results
+
+
+def print_rates(title: str, results: dict[str, list[float]], reference: str) -> None:
+    print(f"\n{title} (median of {len(next(iter(results.values())))} runs)")
+    base = statistics.median(results[reference])
+    for name, rates in results.items():
+        median = statistics.median(rates)
+        spread = f"{min(rates):7.0f}..{max(rates):<7.0f}"
+        ratio = base / median
+        print(f"  {name:<28} {median:8.0f} pairs/s  [{spread}]  {reference}/this {ratio:4.2f}x")
+
+
+def commands_per_pair(url: str, prefix: str, pairs: int) -> None:
+    """Round trips (client side) and server commands (INFO commandstats) per pair."""
+    print(f"\nRedis round trips and commands per acquire+release pair ({pairs} pairs each)")
+    info = redis_client(url)
+    counting = redis_client(url, counting=True)
+    contenders = redis_contenders(url, counting, prefix)
+    pairs_of: dict[str, Pair] = {name: pair for name, (pair, _) in contenders.items()}
+    for name, pair in pairs_of.items():
+        for _ in range(20):
+            pair()
+        before = _commandstats(info)
+        sent_before = CountingConnection.sent
+        for _ in range(pairs):
+            pair()
+        sent = CountingConnection.sent - sent_before
+        after = _commandstats(info)
+        after["info"] = after.get("info", 0) - 1  # our own INFO call
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        calls = {k: v / pairs for k, v in sorted(delta.items()) if v > 0 and k != "info"}
+        detail = " ".join(f"{k}={v:.2f}" for k, v in calls.items())
+        total = sum(calls.values())
+        trips = sent / pairs
+        print(f"  {name:<22} round trips {trips:4.2f}  server commands {total:4.2f}  ({detail})")
+    for _, closer in contenders.values():
+        if closer is not None:
+            closer.close()
+    counting.close()
+    info.close()
+
+
+def _commandstats(client: redis.Redis) -> dict[str, int]:
+    stats: dict[str, Any] = client.info("commandstats")
+    return {key.removeprefix("cmdstat_"): int(value["calls"]) for key, value in stats.items()}
+
+
+# -- hand-off latency ------------------------------------------------------------------------
+
+
+def _waiter(kind: str, url: str, prefix: str, rounds: int, conn: Connection) -> None:
+    """In another process: on each "go", block until the lock is ours; report when we woke."""
+    acquire, release, closer = _blocking_lock(kind, url, prefix)
+    try:
+        conn.send("ready")
+        for _ in range(rounds):
+            conn.recv()
+            handle = acquire()
+            woke = time.monotonic()
+            release(handle)
+            conn.send(woke)
+    finally:
+        closer()
+
+
+def _blocking_lock(
+    kind: str, url: str, prefix: str
+) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
+    """(acquire -> handle, release(handle), close) for one contender."""
+    if kind in ("RedisLeases", "PostgresLeases"):
+        leases: Any
+        if kind == "RedisLeases":
+            leases = RedisLeases(url, prefix=prefix)
+        else:
+            leases = PostgresLeases(url, table=prefix)
+        return (
+            lambda: leases.acquire("handoff", 30.0, timeout=30.0),
+            lambda lease: lease.release(),
+            leases.close,
+        )
+    client = redis.Redis.from_url(url)
+    if kind == "python-redis-lock":
+        import redis_lock
+
+        def acquire_prl() -> Any:
+            lock = redis_lock.Lock(client, prefix + "handoff", expire=30)
+            assert lock.acquire(blocking=True, timeout=30)
+            return lock
+
+        return acquire_prl, lambda lock: lock.release(), client.close
+
+    def acquire_redis_py() -> Any:
+        lock = client.lock(prefix + "handoff", timeout=30)
+        assert lock.acquire(blocking=True, blocking_timeout=30)
+        return lock
+
+    return acquire_redis_py, lambda lock: lock.release(), client.close
+
+
+def handoff_latency(kind: str, url: str, prefix: str, rounds: int) -> list[float]:
+    """Release here, wake there: milliseconds per round."""
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    waiter = context.Process(target=_waiter, args=(kind, url, prefix, rounds, there))
+    waiter.start()
+    acquire, release, closer = _blocking_lock(kind, url, prefix)
+    latencies: list[float] = []
+    try:
+        assert here.recv() == "ready"
+        for _ in range(rounds):
+            handle = acquire()
+            here.send("go")
+            time.sleep(0.03)  # the waiter is blocked in acquire by now
+            released = time.monotonic()
+            release(handle)
+            woke: float = here.recv()
+            latencies.append((woke - released) * 1000.0)
+    finally:
+        waiter.join(30)
+        closer()
+    return latencies
+
+
+def print_handoffs(results: dict[str, list[float]], reference: str) -> None:
+    rounds = len(results[reference])
+    print(f"\nHand-off latency: release in one process -> wake in another ({rounds} rounds)")
+    base = statistics.median(results[reference])
+    for name, latencies in results.items():
+        ordered = sorted(latencies)
+        median = statistics.median(ordered)
+        p90 = ordered[int(len(ordered) * 0.9) - 1]
+        print(
+            f"  {name:<22} median {median:7.2f} ms  p90 {p90:7.2f} ms  "
+            f"this/{reference} {median / base:5.2f}x"
+        )
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------
+
+
+def postgres_contenders(url: str, table: str) -> tuple[dict[str, Pair], list[Any]]:
+    import psycopg
+
+    durable = PostgresLeases(url, table=table)
+    fast = PostgresLeases(url, table=table, durable=False)
+    conn = psycopg.connect(url, autocommit=True)
+
+    def lease_pair(leases: PostgresLeases) -> Pair:
+        def pair() -> None:
+            lease = leases.try_acquire("bench", 30.0)
+            assert lease is not None
+            lease.release()
+
+        return pair
+
+    def advisory() -> None:
+        row = conn.execute("SELECT pg_try_advisory_lock(42)").fetchone()
+        assert row is not None
+        assert row[0]
+        conn.execute("SELECT pg_advisory_unlock(42)").fetchone()
+
+    contenders = {
+        "PostgresLeases": lease_pair(durable),
+        "PostgresLeases durable=False": lease_pair(fast),
+        "pg_try_advisory_lock pair": advisory,
+    }
+    return contenders, [durable, fast, conn]
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def reachable_redis(url: str) -> str | None:
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=2) as client:
+            client.ping()
+    except redis.RedisError as exc:
+        return str(exc)
+    return None
+
+
+def reachable_postgres(url: str) -> str | None:
+    import psycopg
+
+    try:
+        with psycopg.connect(url, connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        return str(exc).strip()
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--postgres-url", default="postgresql://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--pairs", type=int, default=2000, help="pairs per timed run")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per contender")
+    parser.add_argument("--handoffs", type=int, default=60, help="hand-off rounds")
+    parser.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
+    args = parser.parse_args()
+    if args.quick:
+        args.pairs, args.repeat, args.handoffs = 200, 2, 10
+    run = uuid.uuid4().hex[:8]
+    print(f"bench_leases: {args.pairs} pairs x {args.repeat} runs, {args.handoffs} hand-offs")
+
+    problem = reachable_redis(args.redis_url)
+    if problem:
+        print(f"\nRedis at {args.redis_url} is unreachable ({problem}): skipping Redis benchmarks")
+    else:
+        print(f"\nRedis: {args.redis_url}")
+        prefix = f"bench:{run}:"
+        client = redis_client(args.redis_url)
+        contenders = redis_contenders(args.redis_url, client, prefix)
+        results = measure({n: p for n, (p, _) in contenders.items()}, args.pairs, args.repeat)
+        print_rates("Redis try_acquire + release", results, "RedisLeases")
+        ours = statistics.median(results["RedisLeases"])
+        goals = [
+            (
+                "RedisLeases >= 1.2x redis-py Lock",
+                ours / statistics.median(results["redis-py Lock"]),
+                1.2,
+            ),
+            (
+                "RedisLeases >= 0.9x raw pair",
+                ours / statistics.median(results["raw SET NX PX + DEL"]),
+                0.9,
+            ),
+        ]
+        for _, closer in contenders.values():
+            if closer is not None:
+                closer.close()
+        client.close()
+        commands_per_pair(args.redis_url, prefix, min(args.pairs, 500))
+        handoffs = {
+            kind: handoff_latency(kind, args.redis_url, f"{prefix}{i}:", args.handoffs)
+            for i, kind in enumerate(("RedisLeases", "python-redis-lock", "redis-py Lock"))
+        }
+        print_handoffs(handoffs, "python-redis-lock")
+        ratio = statistics.median(handoffs["RedisLeases"]) / statistics.median(
+            handoffs["python-redis-lock"]
+        )
+        print("\nGoals")
+        for label, value, target in goals:
+            print(f"  {label:<40} {value:5.2f}x  {'met' if value >= target else 'MISSED'}")
+        print(
+            f"  {'hand-off median <= python-redis-lock':<40} {ratio:5.2f}x  "
+            f"{'met' if ratio <= 1.0 else 'MISSED'}"
+        )
+
+    problem = reachable_postgres(args.postgres_url)
+    if problem:
+        print(
+            f"\nPostgreSQL at {args.postgres_url} is unreachable ({problem}): "
+            "skipping PostgreSQL benchmarks"
+        )
+    else:
+        print(f"\nPostgreSQL: {args.postgres_url}")
+        table = f"bench_leases_{run}"
+        contenders_pg, closers = postgres_contenders(args.postgres_url, table)
+        results = measure(contenders_pg, max(100, args.pairs // 4), args.repeat)
+        print_rates("PostgreSQL try_acquire + release", results, "PostgresLeases")
+        handoffs = {
+            "PostgresLeases": handoff_latency(
+                "PostgresLeases", args.postgres_url, table, args.handoffs
+            )
+        }
+        print_handoffs(handoffs, "PostgresLeases")
+        for closer in closers:
+            closer.close()
+        import psycopg
+
+        with psycopg.connect(args.postgres_url, autocommit=True) as conn:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
