@@ -330,6 +330,10 @@ def _check_timeout(timeout: float | None) -> float | None:
         raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
     if math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+    if math.isinf(timeout):
+        return None  # forever
+    if timeout > _TIMEOUT_MAX:  # beyond what threads and the timer can wait for
+        raise ValueError(f"timeout must be at most {_TIMEOUT_MAX:g} s (or None), got {timeout!r}")
     return timeout
 
 

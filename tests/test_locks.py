@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import threading
+import time
 import tracemalloc
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -78,6 +79,19 @@ def is_free(locks: KeyedLocks, key: Hashable) -> bool:
         return False
 
 
+def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> None:
+    """Wait until another thread has reached a state (observed through ``stats()``).
+
+    Condition-based: returns as soon as the predicate holds; the bound only turns a bug into a
+    failure instead of a hang.
+    """
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not predicate():
+        assert time.monotonic() < deadline, "state not reached"
+        pause.wait(0.0005)
+
+
 def in_thread(fn: Callable[[], object]) -> None:
     """Run ``fn`` on a fresh thread and wait for it, re-raising its exception."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -122,7 +136,13 @@ def test_bulk_keys_are_checked() -> None:
 
 @pytest.mark.parametrize(
     ("timeout", "error"),
-    [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError), (True, TypeError)],
+    [
+        (-1, ValueError),
+        (float("nan"), ValueError),
+        (1e300, ValueError),  # beyond threading.TIMEOUT_MAX: refused, not a dead timer thread
+        ("1", TypeError),
+        (True, TypeError),
+    ],
 )
 def test_bad_timeouts_are_refused(timeout: Any, error: type[Exception]) -> None:
     locks = KeyedLocks()
@@ -136,6 +156,17 @@ def test_bad_timeouts_are_refused(timeout: Any, error: type[Exception]) -> None:
     ):
         with pytest.raises(error):
             call()
+
+
+def test_an_infinite_timeout_waits_forever() -> None:
+    locks = KeyedLocks()
+    holder, _ = watch(locks.acquire("a"))
+    waiter, _ = watch(locks.acquire("a", timeout=float("inf")))
+    holder.lease.release()
+    assert waiter.granted
+    waiter.lease.release()
+    with locks.hold("a", timeout=float("inf")):
+        pass
 
 
 # -- 1. exclusion ------------------------------------------------------------------------------
@@ -177,18 +208,6 @@ def test_a_waiting_thread_gets_the_key_only_after_release() -> None:
     thread.join(WAIT)
     assert order == ["first out", "second in"]
     assert len(locks) == 0
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> None:
-    """Wait until another thread has reached a state (observed through ``stats()``)."""
-    done = threading.Event()
-    deadline = timeout
-    while not predicate():
-        # Condition-based: returns as soon as the predicate holds; the bound only turns a bug
-        # into a failure instead of a hang.
-        done.wait(0.001)
-        deadline -= 0.001
-        assert deadline > 0, "state not reached"
 
 
 # -- 2. ownerless leases -----------------------------------------------------------------------
@@ -345,6 +364,35 @@ def test_a_chain_of_synchronous_handovers_does_not_recurse() -> None:
         locks.acquire("a").subscribe(take(i))
     holder.lease.release()
     assert delivered == list(range(count))
+    assert len(locks) == 0
+
+
+def test_blocking_and_async_forms_use_no_rx_subscription(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object, **kwargs: object) -> abc.DisposableBase:
+        raise AssertionError("hold must not go through an Rx subscription")
+
+    monkeypatch.setattr(Observable, "subscribe", forbidden)
+    locks = KeyedLocks()
+    with locks.hold("a"):  # uncontended fast path
+        pass
+    first = locks.hold("a").__enter__()
+
+    def contended() -> None:
+        with locks.hold_many(["a", "b"], timeout=WAIT):  # waits for the release below
+            pass
+
+    thread = threading.Thread(target=contended)
+    thread.start()
+    wait_for(lambda: locks.stats().waiting == 1)
+    first.release()
+    thread.join(WAIT)
+    assert locks.stats().contended_total == 1
+
+    async def main() -> None:
+        async with locks.hold_all_async():
+            pass
+
+    asyncio.run(main())
     assert len(locks) == 0
 
 
