@@ -162,10 +162,11 @@ class Lease:
     A lease is a token, not a thread: it may be released on any thread, exactly once. It is
     also a context manager that releases it on exit (if it is still held)::
 
-        def on_next(lease: Lease) -> None:
+        def on_next(lease: Lease) -> None:  # from acquire(): already granted
             with lease:
                 update(lease.keys)
 
+    ``hold*`` return a lease that is not granted yet: entering it waits for the grant.
     Leases are created only by :class:`KeyedLocks`.
     """
 
@@ -215,7 +216,7 @@ class Lease:
 
     @property
     def released(self) -> bool:
-        """True once the lease has been released."""
+        """True once the lease has been released (or its ``hold*`` attempt timed out)."""
         return self._state == _DONE
 
     @property
@@ -228,6 +229,7 @@ class Lease:
 
         Raises:
             LeaseReleasedError: The lease was already released.
+            RuntimeError: The lease (from ``hold*``) was never entered, so never granted.
         """
         self._owner._release(self)
 
@@ -770,6 +772,10 @@ class KeyedLocks:
     def __len__(self) -> int:
         """Keys with state: held, or waited for by some request."""
         return len(self._queues)
+
+    def __bool__(self) -> bool:
+        """Always true: an idle KeyedLocks (``len() == 0``) is still a lock manager."""
+        return True
 
     def stats(self) -> KeyedLocksStats:
         """A consistent snapshot of the lock manager's state and counters."""

@@ -1009,6 +1009,7 @@ def test_stats_is_a_frozen_snapshot() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.held = 2  # type: ignore[misc]
     assert "held=0" in repr(locks)
+    assert locks  # len() is 0, but `locks or KeyedLocks()` must not replace it
 
 
 def test_lease_repr_and_context_manager() -> None:
