@@ -172,7 +172,6 @@ class Lease:
 
     __slots__ = (
         "_before",
-        "_global",
         "_key",
         "_keys",
         "_notify",
@@ -188,7 +187,6 @@ class Lease:
     _owner: KeyedLocks
     _keys: tuple[Hashable, ...]  # distinct keys in request order; () for a global lease
     _key: Hashable  # the key of a single-key lease, else _MANY (for the inlined hot paths)
-    _global: bool
     _state: int
     _waiting: int  # keys whose queue this pending request is not yet the head of
     _segment: _Segment  # non-global: its segment; global: the segment it opens
@@ -196,11 +194,10 @@ class Lease:
     _notify: Callable[[], None] | None  # how a pending request is told it was granted
     _timeout: float | None  # hold* only: how long __enter__ waits
 
-    def __init__(self, owner: KeyedLocks, keys: tuple[Hashable, ...], is_global: bool) -> None:
+    def __init__(self, owner: KeyedLocks, keys: tuple[Hashable, ...]) -> None:
         self._owner = owner
         self._keys = keys
         self._key = keys[0] if len(keys) == 1 else _MANY
-        self._global = is_global
         self._state = _NEW
         self._timeout = None
 
@@ -212,7 +209,7 @@ class Lease:
     @property
     def is_global(self) -> bool:
         """True for a lease from ``acquire_all``/``hold_all``: every key, nothing else held."""
-        return self._global
+        return not self._keys
 
     @property
     def released(self) -> bool:
@@ -296,7 +293,7 @@ class Lease:
 
     def __repr__(self) -> str:
         state = ("new", "pending", "held", "released")[self._state]
-        what = "all keys" if self._global else f"keys={list(self._keys)!r}"
+        what = f"keys={list(self._keys)!r}" if self._keys else "all keys"
         return f"<Lease {what} {state}>"
 
 
@@ -352,7 +349,7 @@ def _check_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
 
 
 def _describe(lease: Lease) -> str:
-    if lease._global:
+    if not lease._keys:
         return "the global lock"
     if len(lease._keys) == 1:
         return f"the lock on key {lease._keys[0]!r}"
@@ -465,7 +462,7 @@ class KeyedLocks:
             ValueError: ``timeout`` is negative.
         """
         hash(key)
-        return self._observable((key,), False, _check_timeout(timeout), scheduler)
+        return self._observable((key,), _check_timeout(timeout), scheduler)
 
     def acquire_many(
         self,
@@ -493,7 +490,7 @@ class KeyedLocks:
                 not a number.
             ValueError: ``keys`` is empty, or ``timeout`` is negative.
         """
-        return self._observable(_check_keys(keys), False, _check_timeout(timeout), scheduler)
+        return self._observable(_check_keys(keys), _check_timeout(timeout), scheduler)
 
     def acquire_all(
         self,
@@ -518,7 +515,7 @@ class KeyedLocks:
             TypeError: ``timeout`` is not a number.
             ValueError: ``timeout`` is negative.
         """
-        return self._observable((), True, _check_timeout(timeout), scheduler)
+        return self._observable((), _check_timeout(timeout), scheduler)
 
     # -- public API: blocking ----------------------------------------------------------------
 
@@ -547,7 +544,6 @@ class KeyedLocks:
         lease._owner = self
         lease._keys = (key,)
         lease._key = key
-        lease._global = False
         lease._state = _NEW
         lease._timeout = timeout if timeout is None else _check_timeout(timeout)
         return lease
@@ -561,7 +557,7 @@ class KeyedLocks:
             ValueError: ``keys`` is empty, or ``timeout`` is negative.
             LockTimeout: (from ``__enter__``) not granted within ``timeout``.
         """
-        lease = Lease(self, _check_keys(keys), False)
+        lease = Lease(self, _check_keys(keys))
         lease._timeout = _check_timeout(timeout)
         return lease
 
@@ -573,7 +569,7 @@ class KeyedLocks:
             ValueError: ``timeout`` is negative.
             LockTimeout: (from ``__enter__``) not granted within ``timeout``.
         """
-        lease = Lease(self, (), True)
+        lease = Lease(self, ())
         lease._timeout = _check_timeout(timeout)
         return lease
 
@@ -598,7 +594,7 @@ class KeyedLocks:
             LockTimeout: (from ``__aenter__``) not granted within ``timeout``.
         """
         hash(key)
-        return _AsyncHold(self, (key,), False, _check_timeout(timeout))
+        return _AsyncHold(self, (key,), _check_timeout(timeout))
 
     def hold_many_async(
         self, keys: Iterable[Hashable], *, timeout: float | None = None
@@ -611,7 +607,7 @@ class KeyedLocks:
             ValueError: ``keys`` is empty, or ``timeout`` is negative.
             LockTimeout: (from ``__aenter__``) not granted within ``timeout``.
         """
-        return _AsyncHold(self, _check_keys(keys), False, _check_timeout(timeout))
+        return _AsyncHold(self, _check_keys(keys), _check_timeout(timeout))
 
     def hold_all_async(self, *, timeout: float | None = None) -> _AsyncHold:
         """Asyncio form of :meth:`acquire_all`; see :meth:`hold_async`.
@@ -621,7 +617,7 @@ class KeyedLocks:
             ValueError: ``timeout`` is negative.
             LockTimeout: (from ``__aenter__``) not granted within ``timeout``.
         """
-        return _AsyncHold(self, (), True, _check_timeout(timeout))
+        return _AsyncHold(self, (), _check_timeout(timeout))
 
     # -- public API: run under a lease -------------------------------------------------------
 
@@ -683,7 +679,7 @@ class KeyedLocks:
             ValueError: ``timeout`` is negative.
         """
         hash(key)
-        return self._run((key,), False, fn, _check_timeout(timeout), scheduler)
+        return self._run((key,), fn, _check_timeout(timeout), scheduler)
 
     @overload
     def run_many(
@@ -718,7 +714,7 @@ class KeyedLocks:
                 not a number.
             ValueError: ``keys`` is empty, or ``timeout`` is negative.
         """
-        return self._run(_check_keys(keys), False, fn, _check_timeout(timeout), scheduler)
+        return self._run(_check_keys(keys), fn, _check_timeout(timeout), scheduler)
 
     @overload
     def run_all(
@@ -749,7 +745,7 @@ class KeyedLocks:
             TypeError: ``timeout`` is not a number.
             ValueError: ``timeout`` is negative.
         """
-        return self._run((), True, fn, _check_timeout(timeout), scheduler)
+        return self._run((), fn, _check_timeout(timeout), scheduler)
 
     # -- public API: misc --------------------------------------------------------------------
 
@@ -811,7 +807,7 @@ class KeyedLocks:
 
     def _enqueue(self, lease: Lease) -> bool:
         """Make ``lease`` present; grant it and return True if nothing earlier conflicts."""
-        if lease._global:
+        if not lease._keys:
             return self._enqueue_global(lease)
         queues = self._queues
         seg = self._tail
@@ -865,7 +861,7 @@ class KeyedLocks:
         """Would ``lease`` be granted at once? (For try-locks, which must not leave a trace.)"""
         if self._tail is not self._first:
             return False
-        if lease._global:
+        if not lease._keys:
             return not self._first.count
         queues = self._queues
         return all(key not in queues for key in lease._keys)
@@ -987,7 +983,7 @@ class KeyedLocks:
         try:
             state = lease._state
             if state == _HELD:
-                granted = self._remove_global(lease) if lease._global else self._remove(lease)
+                granted = self._remove(lease) if lease._keys else self._remove_global(lease)
                 lease._state = _DONE
         finally:
             mutex.release()
@@ -1006,7 +1002,7 @@ class KeyedLocks:
         try:
             if lease._state != _HELD:
                 return False
-            granted = self._remove_global(lease) if lease._global else self._remove(lease)
+            granted = self._remove(lease) if lease._keys else self._remove_global(lease)
             lease._state = _DONE
         finally:
             mutex.release()
@@ -1016,7 +1012,7 @@ class KeyedLocks:
 
     def _withdraw(self, lease: Lease) -> list[Lease] | None:
         """Withdraw a pending request (mutex held); return what that grants."""
-        granted = self._remove_global(lease) if lease._global else self._remove(lease)
+        granted = self._remove(lease) if lease._keys else self._remove_global(lease)
         lease._state = _DONE
         self._pending -= 1
         return granted
@@ -1111,7 +1107,6 @@ class KeyedLocks:
     def _observable(
         self,
         keys: tuple[Hashable, ...],
-        is_global: bool,
         timeout: float | None,
         scheduler: abc.SchedulerBase | None,
     ) -> Observable[Lease]:
@@ -1121,7 +1116,7 @@ class KeyedLocks:
             # The subscribe-time default scheduler is deliberately not used for delivery: it is
             # often loop-bound (AsyncIOScheduler via ``await``) and grants come from any thread.
             acquisition = _Acquisition(
-                Lease(self, keys, is_global), _ObserverTarget(observer), scheduler, timeout
+                Lease(self, keys), _ObserverTarget(observer), scheduler, timeout
             )
             return acquisition.start()
 
@@ -1130,7 +1125,6 @@ class KeyedLocks:
     def _run(
         self,
         keys: tuple[Hashable, ...],
-        is_global: bool,
         fn: Callable[[], Any],
         timeout: float | None,
         scheduler: abc.SchedulerBase | None,
@@ -1143,7 +1137,7 @@ class KeyedLocks:
             except RuntimeError:
                 loop = None
             sink = _RunSink(self, fn, observer, loop)
-            acquisition = _Acquisition(Lease(self, keys, is_global), sink, scheduler, timeout)
+            acquisition = _Acquisition(Lease(self, keys), sink, scheduler, timeout)
             sink.acquisition = acquisition
             acquisition.start()
             return Disposable(sink.dispose)
@@ -1166,23 +1160,21 @@ def _notify(granted: list[Lease]) -> None:
 class _AsyncHold:
     """``async with locks.hold_async(...)``: acquire on enter, release on exit."""
 
-    __slots__ = ("_global", "_keys", "_lease", "_locks", "_timeout")
+    __slots__ = ("_keys", "_lease", "_locks", "_timeout")
 
     def __init__(
         self,
         locks: KeyedLocks,
         keys: tuple[Hashable, ...],
-        is_global: bool,
         timeout: float | None,
     ) -> None:
         self._locks = locks
         self._keys = keys
-        self._global = is_global
         self._timeout = timeout
         self._lease: Lease | None = None
 
     async def __aenter__(self) -> Lease:
-        lease = Lease(self._locks, self._keys, self._global)
+        lease = Lease(self._locks, self._keys)
         self._lease = lease
         return await self._locks._acquire_async(lease, self._timeout)
 
