@@ -674,6 +674,24 @@ def test_acquire_timeout_errors_and_withdraws() -> None:
     assert len(locks) == 0
 
 
+def test_a_global_request_that_times_out_lets_the_requests_behind_it_through() -> None:
+    locks = KeyedLocks()
+    a, _ = watch(locks.acquire("a"))
+    everything, _ = watch(locks.acquire_all(timeout=0.02))
+    b, _ = watch(locks.acquire("b"))
+    assert not b.granted
+    assert everything.done.wait(WAIT)
+    assert isinstance(everything.errors[0], LockTimeout)
+    assert "global" in str(everything.errors[0])
+    wait_for(lambda: b.granted)  # the barrier went away with the request
+    assert not a.lease.released
+    stats = locks.stats()
+    assert (stats.global_waiting, stats.timeouts_total, stats.held) == (0, 1, 2)
+    a.lease.release()
+    b.lease.release()
+    assert len(locks) == 0
+
+
 def test_acquire_timeout_error_is_delivered_on_the_scheduler() -> None:
     locks = KeyedLocks()
     a, _ = watch(locks.acquire("a"))
