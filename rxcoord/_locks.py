@@ -363,6 +363,13 @@ def _timeout_error(lease: Lease, timeout: float) -> LockTimeout:
     )
 
 
+def _timed_out(lease: Lease, timeout: float) -> LockTimeout:
+    """The error for a wait that expired, logged (at INFO, like the coordinator's timeouts)."""
+    error = _timeout_error(lease, timeout)
+    logger.info("rxcoord: {}", error)
+    return error
+
+
 class KeyedLocks:
     """An in-process lock manager: exclusive leases on keys, bulk and global, FIFO, no polling.
 
@@ -1066,7 +1073,7 @@ class KeyedLocks:
         if unblocked is not None:
             _notify(unblocked)
         assert timeout is not None
-        raise _timeout_error(lease, timeout)
+        raise _timed_out(lease, timeout)
 
     async def _acquire_async(self, lease: Lease, limit: float | None) -> Lease:
         loop = asyncio.get_running_loop()
@@ -1096,7 +1103,7 @@ class KeyedLocks:
             if unblocked is not None:
                 _notify(unblocked)
             assert limit is not None
-            raise _timeout_error(lease, limit) from None
+            raise _timed_out(lease, limit) from None
         except BaseException:
             self._abandon(lease)
             raise
@@ -1403,8 +1410,7 @@ class _Acquisition:
             granted = locks._withdraw(lease)
             locks._timeouts += 1
         assert self.timeout is not None
-        error = _timeout_error(lease, self.timeout)
-        logger.debug("rxcoord: {}", error)
+        error = _timed_out(lease, self.timeout)
 
         def deliver() -> None:
             if granted is not None:

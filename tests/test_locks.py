@@ -754,6 +754,24 @@ def test_hold_timeout_raises_and_withdraws() -> None:
     assert locks.stats().timeouts_total == 1
 
 
+def test_timeouts_are_logged_at_info_when_enabled() -> None:
+    locks = KeyedLocks()
+    messages: list[str] = []
+    sink = logger.add(messages.append, level="INFO", format="{level} {message}")
+    logger.enable("rxcoord")
+    try:
+        with locks.hold("a"):
+            with pytest.raises(LockTimeout):
+                locks.hold("a", timeout=0).__enter__()  # a try-lock failing is not news
+            assert messages == []
+            with pytest.raises(LockTimeout):
+                locks.hold("a", timeout=0.001).__enter__()
+    finally:
+        logger.disable("rxcoord")
+        logger.remove(sink)
+    assert any(m.startswith("INFO") and "'a' was not granted" in m for m in messages)
+
+
 def test_on_next_failure_releases_the_lease_and_reports_it() -> None:
     locks = KeyedLocks()
     errors: list[Exception] = []
