@@ -466,7 +466,7 @@ class KeyedLocks:
 
         Raises:
             TypeError: ``key`` is unhashable, or ``timeout`` is not a number.
-            ValueError: ``timeout`` is negative.
+            ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
         hash(key)
         return self._observable((key,), _check_timeout(timeout), scheduler)
@@ -495,7 +495,8 @@ class KeyedLocks:
         Raises:
             TypeError: A key is unhashable, ``keys`` is a ``str``/``bytes``, or ``timeout`` is
                 not a number.
-            ValueError: ``keys`` is empty, or ``timeout`` is negative.
+            ValueError: ``keys`` is empty, or ``timeout`` is negative or beyond
+                ``threading.TIMEOUT_MAX``.
         """
         return self._observable(_check_keys(keys), _check_timeout(timeout), scheduler)
 
@@ -520,7 +521,7 @@ class KeyedLocks:
 
         Raises:
             TypeError: ``timeout`` is not a number.
-            ValueError: ``timeout`` is negative.
+            ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
         return self._observable((), _check_timeout(timeout), scheduler)
 
@@ -542,7 +543,7 @@ class KeyedLocks:
 
         Raises:
             TypeError: ``key`` is unhashable, or ``timeout`` is not a number.
-            ValueError: ``timeout`` is negative.
+            ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
             LockTimeout: (from ``__enter__``) not granted within ``timeout``.
         """
         hash(key)
@@ -561,7 +562,8 @@ class KeyedLocks:
         Raises:
             TypeError: A key is unhashable, ``keys`` is a ``str``/``bytes``, or ``timeout`` is
                 not a number.
-            ValueError: ``keys`` is empty, or ``timeout`` is negative.
+            ValueError: ``keys`` is empty, or ``timeout`` is negative or beyond
+                ``threading.TIMEOUT_MAX``.
             LockTimeout: (from ``__enter__``) not granted within ``timeout``.
         """
         lease = Lease(self, _check_keys(keys))
@@ -573,7 +575,7 @@ class KeyedLocks:
 
         Raises:
             TypeError: ``timeout`` is not a number.
-            ValueError: ``timeout`` is negative.
+            ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
             LockTimeout: (from ``__enter__``) not granted within ``timeout``.
         """
         lease = Lease(self, ())
@@ -597,7 +599,7 @@ class KeyedLocks:
 
         Raises:
             TypeError: ``key`` is unhashable, or ``timeout`` is not a number.
-            ValueError: ``timeout`` is negative.
+            ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
             LockTimeout: (from ``__aenter__``) not granted within ``timeout``.
         """
         hash(key)
@@ -611,7 +613,8 @@ class KeyedLocks:
         Raises:
             TypeError: A key is unhashable, ``keys`` is a ``str``/``bytes``, or ``timeout`` is
                 not a number.
-            ValueError: ``keys`` is empty, or ``timeout`` is negative.
+            ValueError: ``keys`` is empty, or ``timeout`` is negative or beyond
+                ``threading.TIMEOUT_MAX``.
             LockTimeout: (from ``__aenter__``) not granted within ``timeout``.
         """
         return _AsyncHold(self, _check_keys(keys), _check_timeout(timeout))
@@ -621,7 +624,7 @@ class KeyedLocks:
 
         Raises:
             TypeError: ``timeout`` is not a number.
-            ValueError: ``timeout`` is negative.
+            ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
             LockTimeout: (from ``__aenter__``) not granted within ``timeout``.
         """
         return _AsyncHold(self, (), _check_timeout(timeout))
@@ -683,7 +686,7 @@ class KeyedLocks:
 
         Raises:
             TypeError: ``key`` is unhashable, or ``timeout`` is not a number.
-            ValueError: ``timeout`` is negative.
+            ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
         hash(key)
         return self._run((key,), fn, _check_timeout(timeout), scheduler)
@@ -719,7 +722,8 @@ class KeyedLocks:
         Raises:
             TypeError: A key is unhashable, ``keys`` is a ``str``/``bytes``, or ``timeout`` is
                 not a number.
-            ValueError: ``keys`` is empty, or ``timeout`` is negative.
+            ValueError: ``keys`` is empty, or ``timeout`` is negative or beyond
+                ``threading.TIMEOUT_MAX``.
         """
         return self._run(_check_keys(keys), fn, _check_timeout(timeout), scheduler)
 
@@ -750,7 +754,7 @@ class KeyedLocks:
 
         Raises:
             TypeError: ``timeout`` is not a number.
-            ValueError: ``timeout`` is negative.
+            ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
         return self._run((), fn, _check_timeout(timeout), scheduler)
 
