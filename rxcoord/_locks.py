@@ -903,22 +903,15 @@ class KeyedLocks:
         self._park(seg, head)
         return granted
 
-    def _unqueue(self, key: Hashable, lease: Lease) -> Lease | None:
-        """Remove ``lease`` from ``key``'s queue; return the new head if it changed."""
+    def _unqueue(self, key: Hashable, lease: Lease) -> None:
+        """Undo a partial enqueue of ``lease`` on ``key`` (where it is last in the queue)."""
         queues = self._queues
         entry = queues[key]
         if entry is lease:
             del queues[key]
-            return None
-        assert isinstance(entry, deque)
-        if entry[0] is lease:
-            entry.popleft()
-            if entry:
-                return entry[0]
-            del queues[key]
-            return None
-        entry.remove(lease)  # identity: Lease keeps object equality
-        return None
+        else:
+            assert isinstance(entry, deque)
+            entry.remove(lease)  # identity: Lease keeps object equality
 
     def _segment_left(self, seg: _Segment, granted: list[Lease] | None) -> list[Lease] | None:
         """A non-global request left ``seg``: the first global request may now be due."""

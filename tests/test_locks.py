@@ -134,6 +134,25 @@ def test_bulk_keys_are_checked() -> None:
         assert len(locks) == 2
 
 
+def test_a_key_whose_hash_fails_midway_leaves_no_half_request() -> None:
+    class Flaky:
+        """Hashes once (argument check), then fails (inside the lock manager)."""
+
+        calls = 0
+
+        def __hash__(self) -> int:
+            Flaky.calls += 1
+            if Flaky.calls > 1:
+                raise RuntimeError("flaky hash")
+            return 1
+
+    locks = KeyedLocks()
+    with pytest.raises(RuntimeError, match="flaky"), locks.hold_many(["a", Flaky()]):
+        pass
+    assert len(locks) == 0  # "a" was queued first and taken out again
+    assert is_free(locks, "a")
+
+
 @pytest.mark.parametrize(
     ("timeout", "error"),
     [
