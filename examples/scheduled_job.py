@@ -7,8 +7,9 @@ for a while after a short job ends, so a node that fires a little late cannot ru
 
 In one slot the job stalls (think of a long GC pause) for longer than ``at_most_for``: its lease
 expires, a later slot runs on another node with a newer fencing token, and when the stalled job
-finally writes, the report store refuses the stale token. The store lives in the parent process
-(a stand-in for a database or a service) and checks tokens with ``FencingGuard``.
+finally writes, the report store refuses the stale token. (So that the demonstration holds on a
+busy machine, the stall lasts until the store has accepted a newer write.) The store lives in the
+parent process (a stand-in for a database or a service) and checks tokens with ``FencingGuard``.
 
 Run ``python examples/scheduled_job.py`` (SQLite in a temporary directory), or point it at a
 server: ``--url postgresql://postgres@127.0.0.1:5432/test`` or ``--url redis://127.0.0.1:6379/0``.
@@ -24,6 +25,7 @@ import time
 import uuid
 from collections import defaultdict
 from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event as Flag
 from pathlib import Path
 
 from reactivex import operators as ops
@@ -31,9 +33,8 @@ from reactivex import operators as ops
 from rxcoord.leases import DistributedLease, FencingGuard, LeaseLost, StaleToken, leases_from_url
 
 JOB = "nightly-report"
-AT_MOST_FOR = 0.6  # a crashed or stalled node blocks the job at most this long
-AT_LEAST_FOR = 0.2  # a finished job keeps the slot taken this long (clock skew, late firing)
-STALL = 1.2  # the stalled job's pause: longer than AT_MOST_FOR
+AT_MOST_FOR = 0.8  # a crashed or stalled node blocks the job at most this long
+AT_LEAST_FOR = 0.3  # a finished job keeps the slot taken this long (clock skew, late firing)
 
 Event = tuple[str, int, int, int, str]  # (kind, node, slot, token, detail)
 
@@ -47,6 +48,7 @@ def node(
     slots: int,
     stall_slot: int,
     events: Queue[Event],
+    takeover: Flag,
 ) -> None:
     """One node: fire the job at each slot time; run it only under the lease."""
     with leases_from_url(url, **options) as leases:
@@ -56,7 +58,7 @@ def node(
             def job(lease: DistributedLease, slot: int = slot) -> int:
                 events.put(("run", index, slot, lease.token, ""))
                 if slot == stall_slot:
-                    time.sleep(STALL)  # stalls past its lease: another node may take over
+                    takeover.wait(30)  # stalls past its lease, until another node took over
                 time.sleep(0.02)  # the job's actual work
                 events.put(("write", index, slot, lease.token, ""))
                 return lease.token
@@ -75,7 +77,7 @@ def main() -> int:
     parser.add_argument("--url", help="lease store URL (default: SQLite in a temp directory)")
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--period", type=float, default=0.3, help="seconds between slots")
+    parser.add_argument("--period", type=float, default=0.4, help="seconds between slots")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="rxcoord-example-") as tmp:
@@ -92,12 +94,23 @@ def main() -> int:
 
         context = multiprocessing.get_context("spawn")
         events: Queue[Event] = context.Queue()
+        takeover = context.Event()
         start = time.time() + 1.5  # time for the processes to start
         stall_slot = 2
         workers = [
             context.Process(
                 target=node,
-                args=(i, url, options, start, args.period, args.slots, stall_slot, events),
+                args=(
+                    i,
+                    url,
+                    options,
+                    start,
+                    args.period,
+                    args.slots,
+                    stall_slot,
+                    events,
+                    takeover,
+                ),
             )
             for i in range(args.nodes)
         ]
@@ -118,6 +131,8 @@ def main() -> int:
                 try:
                     guard.check(JOB, token)
                     print(f"slot {slot}: node-{index} wrote the report (token {token})")
+                    if slot > stall_slot:
+                        takeover.set()
                 except StaleToken as exc:
                     refused.append(f"node-{index} (slot {slot})")
                     print(f"slot {slot}: store REFUSED node-{index}'s write: {exc}")

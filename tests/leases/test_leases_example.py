@@ -1,12 +1,10 @@
-"""Smoke test: examples/scheduled_job.py runs as a user would run it, on each store."""
+"""Smoke test: examples/scheduled_job.py runs as a user would run it (SQLite, no server)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "scheduled_job.py"
 
@@ -31,13 +29,3 @@ def check_output(out: str) -> None:
 
 def test_the_scheduled_job_example_runs_on_sqlite() -> None:
     check_output(run_example())
-
-
-@pytest.mark.slow
-@pytest.mark.backend
-@pytest.mark.parametrize("store", ["postgres", "redis"])
-def test_the_scheduled_job_example_runs_on_a_server(
-    store: str, request: pytest.FixtureRequest
-) -> None:
-    url: str = request.getfixturevalue(f"{store}_url")
-    check_output(run_example("--url", url))

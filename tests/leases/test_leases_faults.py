@@ -107,7 +107,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
         table = f"outage_{uuid.uuid4().hex[:10]}"
         result = Store(
             kind,
-            tracked(lambda: PostgresLeases(pg.url, table=table, timeout=2.0)),
+            tracked(lambda: PostgresLeases(pg.url, table=table, timeout=1.0)),
             pg.stop,
             pg.start,
             lambda: pg.stop("immediate"),

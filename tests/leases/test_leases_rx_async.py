@@ -250,10 +250,11 @@ async def test_two_tasks_cannot_release_each_others_lease(leases: LeaseProvider,
 
 
 async def test_cancelling_a_waiter_leaks_nothing(backend: Backend, name: str) -> None:
-    holder = backend.new().acquire(name, 5.0)
+    holder = backend.new().acquire(name, 60.0)
     leases = backend.new()
     task = asyncio.create_task(leases.acquire_async(name, 5.0))
     await until_waiting(leases)
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
