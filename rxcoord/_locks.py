@@ -112,6 +112,7 @@ from reactivex.disposable import Disposable, SingleAssignmentDisposable
 from reactivex.observer.autodetachobserver import AutoDetachObserver
 
 from ._errors import LeaseReleasedError, LockTimeout
+from ._pool import WorkerPool
 from ._timer import TimerHandle, call_later
 
 __all__ = ["KeyedLocks", "KeyedLocksStats", "Lease"]
@@ -1586,23 +1587,15 @@ async def _await(awaitable: Awaitable[_R]) -> _R:
     return await awaitable
 
 
-# -- the worker pool for deliveries caused by timeouts -----------------------------------------
+# -- the workers for deliveries caused by timeouts --------------------------------------------
 
-_pool_lock = threading.Lock()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+# Daemon threads started on first use (a process whose requests never time out starts none).
+# Four: a slow subscriber delays the next expiry's delivery, never the timer itself.
+_workers = WorkerPool(4, "rxcoord-locks")
 
 
 def _hand_off(fn: Callable[[], None]) -> None:
-    """Run ``fn`` on a small shared pool (never on the timer thread); log its failures."""
-    global _pool
-    pool = _pool
-    if pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=4, thread_name_prefix="rxcoord-locks"
-                )
-            pool = _pool
+    """Run ``fn`` on a worker (never on the timer thread); log its failures."""
 
     def call() -> None:
         try:
@@ -1610,7 +1603,4 @@ def _hand_off(fn: Callable[[], None]) -> None:
         except Exception:
             logger.opt(exception=True).error("rxcoord: a lease subscriber failed")
 
-    try:
-        pool.submit(call)
-    except RuntimeError:  # interpreter shutting down: deliver here rather than lose a lease
-        call()
+    _workers.submit(call)
