@@ -455,6 +455,13 @@ class KeyedLocks:
         granted to a disposed subscription is released, never lost. Release the lease you
         receive (``lease.release()`` or ``with lease:``) on any thread.
 
+        Grants that become due while a thread is already delivering one (say, ``on_next``
+        releases another lease) are delivered right after that ``on_next`` returns, so a chain
+        of hand-overs is a loop, not a recursion. Hence ``on_next`` must not block waiting for
+        another ``acquire`` subscriber that the same release would serve; pass a
+        ``scheduler`` if handlers block. In asyncio use :meth:`hold_async` rather than
+        awaiting this Observable (reactivex would resolve the future from a foreign thread).
+
         Args:
             key: Any hashable value.
             timeout: Seconds to wait before erroring with :class:`LockTimeout` (the request is
