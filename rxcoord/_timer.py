@@ -114,7 +114,10 @@ class Timers:
                         callback = handle.callback
                         handle.callback = None
                         break
-                    self._cond.wait(delay)
+                    # Waits are capped at TIMEOUT_MAX (about 49 days) so a huge delay just
+                    # means waking up early and checking again, not an OverflowError that would
+                    # kill the thread and silently stall every other timer.
+                    self._cond.wait(min(delay, threading.TIMEOUT_MAX))
             if callback is not None:
                 try:
                     callback()

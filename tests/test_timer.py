@@ -41,13 +41,18 @@ def test_an_earlier_timer_wakes_a_sleeping_thread() -> None:
 def test_cancelled_timer_never_fires_and_leaves_the_count() -> None:
     timers = Timers()
     fired = threading.Event()
-    handle = timers.call_later(0.02, fired.set)
-    assert timers.pending() == 1
+    later = threading.Event()
+    handle = timers.call_later(0.05, fired.set)
+    timers.call_later(0.1, later.set)  # fires only after the cancelled one's deadline passed
     handle.cancel()
     handle.cancel()  # idempotent
-    assert timers.pending() == 0
     assert handle.cancelled
-    assert not fired.wait(0.1)
+    assert later.wait(5)
+    assert not fired.is_set()
+    long = timers.call_later(60, lambda: None)
+    assert timers.pending() == 1
+    long.cancel()
+    assert timers.pending() == 0
 
 
 def test_ten_thousand_pending_timers_use_one_thread() -> None:
@@ -92,3 +97,13 @@ def test_idle_thread_exits_and_restarts_on_demand() -> None:
     again = threading.Event()
     timers.call_later(0.0, again.set)
     assert again.wait(5)
+
+
+def test_a_huge_delay_neither_kills_the_thread_nor_stalls_other_timers() -> None:
+    timers = Timers()
+    timers.call_later(1e12, lambda: None)  # beyond threading.TIMEOUT_MAX
+    fired = threading.Event()
+    time.sleep(0.02)  # the thread is now waiting on the huge timer
+    timers.call_later(0.01, fired.set)
+    assert fired.wait(5)
+    assert timers.pending() == 1
