@@ -39,7 +39,7 @@ import tracemalloc
 from collections.abc import Callable
 from types import TracebackType
 
-from rxcoord._locks import KeyedLocks
+from rxcoord import KeyedLocks
 
 # -- contenders --------------------------------------------------------------------------------
 

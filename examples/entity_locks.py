@@ -24,7 +24,7 @@ import random
 import threading
 import time
 
-from rxcoord._locks import KeyedLocks, Lease
+from rxcoord import KeyedLocks, Lease
 
 
 class Bank:

@@ -6,6 +6,8 @@ Layers, each built on the ones before it:
 2. :class:`TenantTaskCoordinator` - a concurrency limit, a bounded queue (``TooManyTasks``),
    per-key ordering, cancellation and timeouts for sync and async jobs.
 3. :class:`TenantScheduler` - many tenants, one global limit, fair shares, idle tenants evicted.
+4. :class:`KeyedLocks` - ownerless per-entity leases, bulk and global, FIFO, no polling, no leaks.
+5. :mod:`rxcoord.leases` - distributed leases on SQLite, PostgreSQL and Redis, fencing tokens.
 
 rxcoord logs with loguru and, as a library, is silent until you call
 ``loguru.logger.enable("rxcoord")``.
@@ -24,6 +26,7 @@ from ._errors import (
     RxcoordError,
     TooManyTasks,
 )
+from ._locks import KeyedLocks, KeyedLocksStats, Lease
 from ._tenant_scheduler import SchedulerStats, TenantScheduler
 from .operators import serialize_by_key
 
@@ -33,6 +36,9 @@ __all__ = [
     "CoordinatorClosed",
     "CoordinatorState",
     "CoordinatorStats",
+    "KeyedLocks",
+    "KeyedLocksStats",
+    "Lease",
     "LeaseError",
     "LeaseLost",
     "LeaseReleasedError",

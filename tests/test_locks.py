@@ -26,8 +26,8 @@ from reactivex import operators as ops
 from reactivex.scheduler import NewThreadScheduler
 from reactivex.testing import TestScheduler
 
+from rxcoord import KeyedLocks, KeyedLocksStats, Lease
 from rxcoord._errors import LeaseReleasedError, LockTimeout, RxcoordError
-from rxcoord._locks import KeyedLocks, KeyedLocksStats, Lease
 
 WAIT = 10.0  # generous bound for events that must happen; never reached when correct
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
+from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LockTimeout
-from rxcoord._locks import KeyedLocks, Lease
 
 WAIT = 10.0
 

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from reactivex import abc
 
+from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LeaseReleasedError, LockTimeout
-from rxcoord._locks import KeyedLocks, Lease
 
 KEYS = ("a", "b", "c", "d", "e")
 

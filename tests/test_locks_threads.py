@@ -22,8 +22,8 @@ from reactivex import Observable
 from reactivex import operators as ops
 from reactivex.scheduler import EventLoopScheduler, ThreadPoolScheduler
 
+from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LockTimeout
-from rxcoord._locks import KeyedLocks, Lease
 
 STALL = 20.0  # seconds without any progress that the watchdog calls a deadlock
 
