@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import re
 import statistics
 import sys
 import time
@@ -161,6 +162,11 @@ def _commandstats(client: redis.Redis) -> dict[str, int]:
 # -- hand-off latency ------------------------------------------------------------------------
 
 
+def pg_table(prefix: str) -> str:
+    """A table name (an identifier) for a namespace prefix."""
+    return re.sub(r"\W", "_", prefix).strip("_")
+
+
 def _waiter(kind: str, url: str, prefix: str, rounds: int, conn: Connection) -> None:
     """In another process: on each "go", block until the lock is ours; report when we woke."""
     acquire, release, closer = _blocking_lock(kind, url, prefix)
@@ -185,7 +191,7 @@ def _blocking_lock(
         if kind == "RedisLeases":
             leases = RedisLeases(url, prefix=prefix)
         else:
-            leases = PostgresLeases(url, table=prefix)
+            leases = PostgresLeases(url, table=pg_table(prefix))
         return (
             lambda: leases.acquire("handoff", 30.0, timeout=30.0),
             lambda lease: lease.release(),
@@ -210,41 +216,61 @@ def _blocking_lock(
     return acquire_redis_py, lambda lock: lock.release(), client.close
 
 
-def handoff_latency(kind: str, url: str, prefix: str, rounds: int) -> list[float]:
-    """Release here, wake there: milliseconds per round."""
+def handoff_latencies(
+    kinds: list[str], url: str, prefix: str, rounds: int, block: int = 10
+) -> dict[str, list[float]]:
+    """Release here, wake there: milliseconds per round, for each contender.
+
+    Every contender has its waiter process running throughout; rounds alternate between the
+    contenders in blocks, so load changes on the machine hit them alike.
+    """
     context = multiprocessing.get_context("spawn")
-    here, there = context.Pipe()
-    waiter = context.Process(target=_waiter, args=(kind, url, prefix, rounds, there))
-    waiter.start()
-    acquire, release, closer = _blocking_lock(kind, url, prefix)
-    latencies: list[float] = []
+    pipes: dict[str, Connection] = {}
+    waiters = []
+    locks = {}
+    for i, kind in enumerate(kinds):
+        here, there = context.Pipe()
+        waiter = context.Process(target=_waiter, args=(kind, url, f"{prefix}{i}:", rounds, there))
+        waiter.start()
+        waiters.append(waiter)
+        pipes[kind] = here
+        locks[kind] = _blocking_lock(kind, url, f"{prefix}{i}:")
+    latencies: dict[str, list[float]] = {kind: [] for kind in kinds}
     try:
-        assert here.recv() == "ready"
-        for _ in range(rounds):
-            handle = acquire()
-            here.send("go")
-            time.sleep(0.03)  # the waiter is blocked in acquire by now
-            released = time.monotonic()
-            release(handle)
-            woke: float = here.recv()
-            latencies.append((woke - released) * 1000.0)
+        for kind in kinds:
+            assert pipes[kind].recv() == "ready"
+        done = 0
+        while done < rounds:
+            count = min(block, rounds - done)
+            for kind in kinds:
+                acquire, release, _ = locks[kind]
+                for _ in range(count):
+                    handle = acquire()
+                    pipes[kind].send("go")
+                    time.sleep(0.02)  # the waiter is blocked in acquire by now
+                    released = time.monotonic()
+                    release(handle)
+                    woke: float = pipes[kind].recv()
+                    latencies[kind].append((woke - released) * 1000.0)
+            done += count
     finally:
-        waiter.join(30)
-        closer()
+        for waiter in waiters:
+            waiter.join(30)
+        for _, _, closer in locks.values():
+            closer()
     return latencies
 
 
 def print_handoffs(results: dict[str, list[float]], reference: str) -> None:
-    rounds = len(results[reference])
-    print(f"\nHand-off latency: release in one process -> wake in another ({rounds} rounds)")
+    print("\nHand-off latency: release in one process -> wake in another")
     base = statistics.median(results[reference])
     for name, latencies in results.items():
         ordered = sorted(latencies)
         median = statistics.median(ordered)
-        p90 = ordered[int(len(ordered) * 0.9) - 1]
+        p90 = ordered[max(0, int(len(ordered) * 0.9) - 1)]
         print(
             f"  {name:<22} median {median:7.2f} ms  p90 {p90:7.2f} ms  "
-            f"this/{reference} {median / base:5.2f}x"
+            f"this/{reference} {median / base:5.2f}x  ({len(ordered)} rounds)"
         )
 
 
@@ -345,10 +371,13 @@ def main() -> int:
                 closer.close()
         client.close()
         commands_per_pair(args.redis_url, prefix, min(args.pairs, 500))
-        handoffs = {
-            kind: handoff_latency(kind, args.redis_url, f"{prefix}{i}:", args.handoffs)
-            for i, kind in enumerate(("RedisLeases", "python-redis-lock", "redis-py Lock"))
-        }
+        handoffs = handoff_latencies(
+            ["RedisLeases", "python-redis-lock"], args.redis_url, prefix, args.handoffs
+        )
+        # redis-py's Lock polls (sleep=0.1 s): a handful of rounds shows it.
+        handoffs |= handoff_latencies(
+            ["redis-py Lock"], args.redis_url, prefix + "polling:", max(5, args.handoffs // 6)
+        )
         print_handoffs(handoffs, "python-redis-lock")
         ratio = statistics.median(handoffs["RedisLeases"]) / statistics.median(
             handoffs["python-redis-lock"]
@@ -373,18 +402,15 @@ def main() -> int:
         contenders_pg, closers = postgres_contenders(args.postgres_url, table)
         results = measure(contenders_pg, max(100, args.pairs // 4), args.repeat)
         print_rates("PostgreSQL try_acquire + release", results, "PostgresLeases")
-        handoffs = {
-            "PostgresLeases": handoff_latency(
-                "PostgresLeases", args.postgres_url, table, args.handoffs
-            )
-        }
+        handoffs = handoff_latencies(["PostgresLeases"], args.postgres_url, table, args.handoffs)
         print_handoffs(handoffs, "PostgresLeases")
         for closer in closers:
             closer.close()
         import psycopg
 
         with psycopg.connect(args.postgres_url, autocommit=True) as conn:
-            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+            for name in (table, pg_table(f"{table}0:")):
+                conn.execute(f'DROP TABLE IF EXISTS "{name}"')
     return 0
 
 
