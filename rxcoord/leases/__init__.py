@@ -24,7 +24,7 @@ the embedded default), :class:`PostgresLeases` and :class:`RedisLeases` (distrib
 
 from rxcoord._errors import LeaseError, LeaseLost, LeaseStoreUnavailable, LockTimeout
 
-from ._backends._memory import MemoryLeases, MemoryLeaseStore
+from ._backends._memory import MemoryLeases, MemoryLeaseStore, MemoryLeaseStoreStats
 from ._backends._postgres import PostgresLeases
 from ._backends._redis import RedisLeases
 from ._backends._sqlite import SqliteLeases
@@ -47,6 +47,7 @@ __all__ = [
     "LeaseStoreUnavailable",
     "LockTimeout",
     "MemoryLeaseStore",
+    "MemoryLeaseStoreStats",
     "MemoryLeases",
     "PostgresLeases",
     "RedisLeases",

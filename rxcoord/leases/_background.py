@@ -85,7 +85,10 @@ class Background:
         for handle in handles:
             handle.cancel()
         if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+            # Closed from one of our own workers (a loss callback closing the provider), a
+            # worker cannot join itself: let the others finish on their own.
+            own = threading.current_thread().name.startswith(self._name)
+            executor.shutdown(wait=not own, cancel_futures=True)
 
     def _executor_locked(self) -> ThreadPoolExecutor:
         if self._executor is None:

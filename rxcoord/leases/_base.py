@@ -330,7 +330,7 @@ class LeaseProvider(ABC):
                         lease = self._acquire_blocking(name, most, least, wait_for, cancel)
                     else:
                         got = self._attempt(name, most, least)
-                        lease = None if type(got) is float else got  # type: ignore[assignment]
+                        lease = got if isinstance(got, DistributedLease) else None
                     if lease is None:
                         if not cancel.cancelled:
                             observer.on_completed()

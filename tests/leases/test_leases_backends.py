@@ -15,6 +15,7 @@ from rxcoord.leases import (
     LeaseProvider,
     MemoryLeases,
     MemoryLeaseStore,
+    MemoryLeaseStoreStats,
     PostgresLeases,
     RedisLeases,
     SqliteLeases,
@@ -237,6 +238,8 @@ def test_memory_store_expiry_and_at_least_for_in_virtual_time() -> None:
         clock.now += 9.0  # 12 s after the grant, 9 s after the extension
         assert b.try_acquire("n", 10.0) is None
         third.release()
+        assert store.stats() == MemoryLeaseStoreStats(names=1, held=0, providers=2)
+    assert store.stats().providers == 0  # detached on close
 
 
 # -- URLs -----------------------------------------------------------------------------------

@@ -589,3 +589,42 @@ def test_a_paused_holder_finds_its_lease_lost_and_its_token_stale(
         lease.release()
     finally:
         stop_process(worker)
+
+
+def test_close_stops_every_thread_the_provider_started(backend: Backend, name: str) -> None:
+    holder = backend.new().acquire(name, at_most_for=5.0)
+    before = set(threading.enumerate())
+    provider = backend.make()
+    with pytest.raises(LockTimeout):
+        provider.acquire(name, 5.0, timeout=0.2)  # starts the notification listener, if any
+    kept = provider.acquire(name + "-kept", at_most_for=0.3, keep_alive=True)
+    wait_until(lambda: kept.stats().extensions >= 1)  # keep-alive workers ran
+    provider.close()
+
+    def ours_gone() -> bool:
+        started = set(threading.enumerate()) - before
+        # The shared timer thread is rxcoord's, not the provider's; it lingers a moment.
+        return all(t.name == "rxcoord-timer" for t in started)
+
+    wait_until(ours_gone, what="the provider's threads to end")
+    holder.release()
+
+
+def test_a_loss_callback_may_close_the_provider(backend: Backend, name: str) -> None:
+    provider = backend.make()
+    lease = provider.try_acquire(name, at_most_for=0.3)
+    assert lease is not None
+    time.sleep(0.3 + MARGIN)
+    thief = backend.new().try_acquire(name, 5.0)
+    assert thief is not None
+    closed = threading.Event()
+
+    def on_lost(_error: LeaseLost) -> None:
+        provider.close()  # runs on the provider's own keep-alive worker
+        closed.set()
+
+    lease.on_lost(on_lost)
+    lease.start_keep_alive()
+    assert closed.wait(5)
+    assert provider.closed
+    thief.release()

@@ -19,6 +19,7 @@ EXPECTED = {
     "LeaseStoreUnavailable",
     "LockTimeout",
     "MemoryLeaseStore",
+    "MemoryLeaseStoreStats",
     "MemoryLeases",
     "PostgresLeases",
     "RedisLeases",

@@ -11,11 +11,28 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .._base import LeaseProvider
 from .._notify import WaitHub
 
-__all__ = ["MemoryLeaseStore", "MemoryLeases"]
+__all__ = ["MemoryLeaseStore", "MemoryLeaseStoreStats", "MemoryLeases"]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLeaseStoreStats:
+    """A snapshot of a :class:`MemoryLeaseStore`.
+
+    Attributes:
+        names: Names ever granted (each keeps its token counter).
+        held: Names whose lease is currently unexpired (released ones inside ``at_least_for``
+            included: they are still taken).
+        providers: Open providers attached to the store.
+    """
+
+    names: int
+    held: int
+    providers: int
 
 
 class _Record:
@@ -49,6 +66,13 @@ class MemoryLeaseStore:
     def detach(self, hub: WaitHub) -> None:
         with self._lock:
             self._hubs.discard(hub)
+
+    def stats(self) -> MemoryLeaseStoreStats:
+        """A consistent snapshot of the store."""
+        with self._lock:
+            now = self.clock()
+            held = sum(1 for record in self._records.values() if record.until > now)
+            return MemoryLeaseStoreStats(len(self._records), held, len(self._hubs))
 
     def try_grant(self, name: str, most: float, least: float) -> tuple[int, float]:
         with self._lock:
