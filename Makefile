@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: venv
-	$(BIN)/python examples/ordered_messages.py
+	$(BIN)/rxcoord demo
 
 lint: venv
 	$(BIN)/ruff check rxcoord tests examples benchmarks

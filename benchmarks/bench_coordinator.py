@@ -119,6 +119,53 @@ def medians(contenders: dict[str, Callable[[], float]], repeat: int) -> dict[str
     return {name: statistics.median(values) for name, values in results.items()}
 
 
+def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str, str, str]]:
+    """Rows for ``rxcoord bench``."""
+    jobs, workers, repeat = (5_000, 4, 3) if quick else (20_000, 4, 5)
+    sync = medians(
+        {
+            "ours": lambda: rxcoord_sync(jobs, workers),
+            "pool": lambda: executor_sync(jobs, workers),
+        },
+        repeat,
+    )
+    asynchronous = medians(
+        {
+            "ours": lambda: rxcoord_async(jobs, workers),
+            "gather": lambda: semaphore_async(jobs, workers),
+        },
+        repeat,
+    )
+    count = 500 if quick else 2000
+    span = statistics.median(makespan(count, 32, 0.010) for _ in range(repeat))
+    return [
+        (
+            f"coordinator, trivial sync jobs ({workers} workers)",
+            f"{sync['ours']:,.0f} jobs/s",
+            "ThreadPoolExecutor.submit",
+            f"{sync['pool']:,.0f} jobs/s",
+            f"{sync['ours'] / sync['pool']:.2f}x",
+            ">= 0.5x",
+        ),
+        (
+            f"coordinator, trivial async jobs (limit {workers})",
+            f"{asynchronous['ours']:,.0f} jobs/s",
+            "Semaphore-gated gather",
+            f"{asynchronous['gather']:,.0f} jobs/s",
+            f"{asynchronous['ours'] / asynchronous['gather']:.2f}x",
+            "",
+        ),
+        (
+            f"coordinator, makespan {count:,} x 10 ms, cap 32",
+            f"{span:.3f} x ideal",
+            "ideal (work / 32)",
+            "1.000",
+            f"{span:.3f}",
+            "<= 1.15",
+        ),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20_000, help="trivial jobs per run")

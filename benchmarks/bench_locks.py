@@ -239,6 +239,66 @@ def fmt(rate: float) -> str:
     return f"{rate:>12,.0f} pairs/s"
 
 
+def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str, str, str]]:
+    """Rows for ``rxcoord bench``."""
+    repeat, ops, contended_ops, distinct = (
+        (3, 20_000, 1_000, 100_000)
+        if quick
+        else (
+            5,
+            100_000,
+            5_000,
+            1_000_000,
+        )
+    )
+    rates: dict[str, list[float]] = {name: [] for name in UNCONTENDED}
+    for _ in range(repeat):
+        for name, run in UNCONTENDED.items():
+            rates[name].append(run(ops))
+    med = {name: statistics.median(values) for name, values in rates.items()}
+    crates: dict[str, list[float]] = {"KeyedLocks.hold": [], "textbook Semaphore dict": []}
+    for _ in range(repeat):
+        for name in crates:
+            crates[name].append(contended(name, contended_ops)[0])
+    cmed = {name: statistics.median(values) for name, values in crates.items()}
+    m = memory("KeyedLocks.hold", distinct, distinct // 10)
+    hold = med["KeyedLocks.hold"]
+    return [
+        (
+            "locks, uncontended hold pairs",
+            f"{hold:,.0f}/s",
+            "textbook Semaphore(1) dict",
+            f"{med['textbook Semaphore dict']:,.0f}/s",
+            f"{hold / med['textbook Semaphore dict']:.2f}x",
+            ">= 4x",
+        ),
+        (
+            "locks, uncontended hold pairs",
+            f"{hold:,.0f}/s",
+            "plain threading.Lock",
+            f"{med['threading.Lock']:,.0f}/s",
+            f"{hold / med['threading.Lock']:.2f}x",
+            "",
+        ),
+        (
+            "locks, 4 threads on 16 keys",
+            f"{cmed['KeyedLocks.hold']:,.0f}/s",
+            "textbook Semaphore(1) dict",
+            f"{cmed['textbook Semaphore dict']:,.0f}/s",
+            f"{cmed['KeyedLocks.hold'] / cmed['textbook Semaphore dict']:.2f}x",
+            ">= 1x",
+        ),
+        (
+            f"locks, keys retained after {distinct:,} keys",
+            str(m["keys_after_stream"] + m["keys_after_burst"]),
+            "",
+            "",
+            "",
+            "0",
+        ),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeat", type=int, default=9, help="repetitions (medians printed)")

@@ -88,6 +88,34 @@ def run_once(name: str, workload: str, items: int) -> dict[str, float]:
     return {"items_per_s": items / elapsed, "peak_mb": (rss_after - rss_before) / 1024}
 
 
+def bench_rows(quick: bool, **options: Any) -> list[tuple[str, str, str, str, str, str]]:
+    """Rows for ``rxcoord bench`` (measured in this process; no memory figures)."""
+    items, repeat = (3_000, 3) if quick else (20_000, 3)
+    rows = []
+    for workload, label in (("zipf", "1,000 Zipf keys"), ("distinct", "distinct keys")):
+        rates: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+        for _ in range(repeat):
+            for name in CONTENDERS:
+                rates[name].append(run_once(name, workload, items)["items_per_s"])
+        med = {name: statistics.median(values) for name, values in rates.items()}
+        ours = f"{med['serialize_by_key']:,.0f} items/s"
+        for baseline, goal in (
+            ("naive group_by", "2x" if workload == "zipf" else "15x"),
+            ("flat_map", "1x"),
+        ):
+            rows.append(
+                (
+                    f"serialize_by_key, {label}",
+                    ours,
+                    baseline,
+                    f"{med[baseline]:,.0f} items/s",
+                    f"{med['serialize_by_key'] / med[baseline]:.2f}x",
+                    f">= {goal}",
+                )
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=20_000, help="items, 1,000-key workload")

@@ -750,7 +750,29 @@ class TenantTaskCoordinator(abc.DisposableBase):
                     value = job()
             except BaseException as exc:  # the job's error goes to its subscriber
                 error = exc
+            if error is None and (inspect.iscoroutine(value) or asyncio.isfuture(value)):
+                # ``lambda: fetch(i)`` is an async job in disguise: await what it returned.
+                self._continue_async(task, value)
+                return
         self._finish(task, value, error)
+
+    def _continue_async(self, task: _Task, awaitable: Any) -> None:
+        loop = self._scheduler_loop or task.loop
+        if loop is None:
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()  # never awaited: say so, not with a RuntimeWarning
+            self._finish(
+                task,
+                None,
+                RuntimeError(
+                    "the job returned an awaitable but no asyncio loop is known: subscribe from "
+                    "asyncio code or pass scheduler=AsyncIOScheduler(loop)"
+                ),
+            )
+            return
+        task.job_loop = loop
+        task.job = lambda: awaitable
+        self._start_async(task)
 
     def _start_async(self, task: _Task) -> None:
         loop = task.job_loop

@@ -244,3 +244,38 @@ def test_async_jobs_on_an_asyncio_scheduler_submitted_from_another_thread() -> N
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+async def test_a_lambda_returning_a_coroutine_is_awaited_as_an_async_job() -> None:
+    cancelled = asyncio.Event()
+
+    async def fetch(i: int) -> str:
+        await asyncio.sleep(0)
+        return f"page {i}"
+
+    async def hang() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with TenantTaskCoordinator(max_concurrency=2) as c:
+
+        def page(i: int) -> Callable[[], Awaitable[str]]:
+            return lambda: fetch(i)  # a plain lambda: not an async def function
+
+        pages = await asyncio.gather(*(c.execute(page(i)) for i in range(3)))
+        assert pages == ["page 0", "page 1", "page 2"]
+        with pytest.raises(TimeoutError):
+            await c.execute(lambda: hang(), timeout=0.02)
+        await asyncio.wait_for(cancelled.wait(), 5)
+        assert c.running == 0
+
+
+def test_a_returned_coroutine_without_a_loop_is_a_clear_error() -> None:
+    async def fetch() -> int:
+        return 1
+
+    with TenantTaskCoordinator() as c, pytest.raises(RuntimeError, match="awaitable"):
+        c.execute(lambda: fetch()).run()

@@ -11,8 +11,16 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("name", ["ordered_messages"])
-def test_example_runs(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("ordered_messages", "violations: 0"),
+        ("seed_scenario", "interleaving violations: 0"),
+        ("multi_tenant", "tenants with state left after going idle: 0"),
+        ("async_jobs", "download cancelled inside the job"),
+    ],
+)
+def test_example_runs(name: str, expected: str) -> None:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / f"{name}.py")],
         capture_output=True,
@@ -20,4 +28,4 @@ def test_example_runs(name: str) -> None:
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "violations: 0" in proc.stdout
+    assert expected in proc.stdout

@@ -1,0 +1,8 @@
+"""``python -m rxcoord``: the same as the ``rxcoord`` console script."""
+
+import sys
+
+from ._cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

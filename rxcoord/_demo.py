@@ -1,0 +1,398 @@
+"""``rxcoord demo``: a message-processing service and a scheduled job, with their checks.
+
+Part 1 simulates a service: customers spread over tenants send messages that arrive
+interleaved; one tenant floods. Every message is a keyed job (key = customer) submitted to a
+``TenantScheduler``; handlers take a random time, a few fail, a few run past their timeout, a few
+are cancelled by their caller (some while queued, some while running). An invariant checker
+inside the handlers records per-customer order and exclusion and the concurrency reached per
+tenant and globally.
+
+Part 2 is ShedLock's scenario: several OS processes run the same scheduled job on the same
+schedule; a distributed lease (``at_least_for`` most of the period) lets exactly one of them run
+each tick. The processes log every run with its fencing token; a tick run twice is a failure.
+
+Everything is derived from ``--seed``: the same seed gives the same workload.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._errors import TooManyTasks
+from ._tenant_scheduler import TenantScheduler
+
+__all__ = ["DemoConfig", "DemoReport", "run_demo"]
+
+GLOBAL_LIMIT = 8
+TENANT_LIMIT = 3
+TENANT_QUEUE = 60
+JOB_TIMEOUT = 0.05
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    tenants: int = 4
+    customers: int = 24
+    messages: int = 3000
+    seed: int = 7
+    store_url: str | None = None  # None: a SQLite file in a temporary directory
+    processes: int = 3
+    ticks: int = 10
+    period: float = 0.25
+
+
+@dataclass(frozen=True)
+class Message:
+    index: int
+    tenant: str
+    customer: str
+    seq: int  # position in its customer's stream
+    latency: float  # seconds the handler takes
+    fails: bool
+    cancel_after: float | None  # the caller disposes this long after submitting
+
+
+@dataclass
+class TenantRow:
+    tenant: str
+    jobs: int = 0
+    completed: int = 0
+    failed: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    max_running: int = 0
+    limit: int = TENANT_LIMIT
+
+
+@dataclass
+class DemoReport:
+    tenants: list[TenantRow]
+    global_max_running: int
+    global_limit: int
+    ordering_violations: int
+    exclusion_violations: int
+    limit_violations: int
+    scheduled_runs: int
+    scheduled_ticks: int
+    double_runs: int
+    token_order_violations: int
+    tokens: list[int] = field(default_factory=list)
+    store: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.ordering_violations
+            or self.exclusion_violations
+            or self.limit_violations
+            or self.double_runs
+            or self.token_order_violations
+        )
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return json.dumps(data, indent=2)
+
+
+# -- part 1: the message service --------------------------------------------------------------
+
+
+def make_workload(config: DemoConfig) -> list[Message]:
+    """The messages, in arrival order; the same seed gives the same list."""
+    rng = random.Random(config.seed)
+    tenants = [f"tenant-{t}" for t in range(config.tenants)]
+    customers = [(tenants[c % len(tenants)], f"customer-{c:03d}") for c in range(config.customers)]
+    flood_tenant = tenants[0]
+    flood_customers = [c for c in customers if c[0] == flood_tenant] or customers[:1]
+    seqs: Counter[str] = Counter()
+    messages: list[Message] = []
+    while len(messages) < config.messages:
+        if rng.random() < 0.012:  # a burst from the flooding tenant
+            burst = [rng.choice(flood_customers) for _ in range(rng.randint(30, 80))]
+        else:
+            burst = [rng.choice(customers)]
+        for tenant, customer in burst[: config.messages - len(messages)]:
+            roll = rng.random()
+            latency = rng.uniform(0.0005, 0.004)
+            if roll < 0.01:
+                latency = JOB_TIMEOUT * 2  # will time out
+            cancel_after = None
+            if 0.01 <= roll < 0.03:
+                cancel_after = rng.choice([0.0, latency / 2])  # while queued, or while running
+            messages.append(
+                Message(
+                    index=len(messages),
+                    tenant=tenant,
+                    customer=customer,
+                    seq=seqs[customer],
+                    latency=latency,
+                    fails=0.03 <= roll < 0.06,
+                    cancel_after=cancel_after,
+                )
+            )
+            seqs[customer] += 1
+    return messages
+
+
+class Checker:
+    """Records what handlers see: per-customer order and exclusion, concurrency reached."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active_customers: set[str] = set()
+        self.last_seq: dict[str, int] = {}
+        self.running: Counter[str] = Counter()
+        self.max_running: Counter[str] = Counter()
+        self.total = 0
+        self.max_total = 0
+        self.ordering_violations = 0
+        self.exclusion_violations = 0
+
+    def enter(self, m: Message) -> None:
+        with self.lock:
+            if m.customer in self.active_customers:
+                self.exclusion_violations += 1
+            self.active_customers.add(m.customer)
+            if self.last_seq.get(m.customer, -1) >= m.seq:
+                self.ordering_violations += 1
+            self.last_seq[m.customer] = m.seq
+            self.running[m.tenant] += 1
+            self.max_running[m.tenant] = max(self.max_running[m.tenant], self.running[m.tenant])
+            self.total += 1
+            self.max_total = max(self.max_total, self.total)
+
+    def leave(self, m: Message) -> None:
+        with self.lock:
+            self.active_customers.discard(m.customer)
+            self.running[m.tenant] -= 1
+            self.total -= 1
+
+
+def run_service(
+    config: DemoConfig, progress: Callable[[int], None] | None = None
+) -> tuple[list[TenantRow], Checker]:
+    messages = make_workload(config)
+    checker = Checker()
+    outcomes: dict[int, tuple[str, float]] = {}
+    lock = threading.Lock()
+    finished = threading.Event()
+
+    def record(m: Message, outcome: str, submitted: float) -> None:
+        with lock:
+            if m.index in outcomes:
+                return
+            outcomes[m.index] = (outcome, time.perf_counter() - submitted)
+            count = len(outcomes)
+        if progress is not None:
+            progress(count)
+        if count == len(messages):
+            finished.set()
+
+    def handler(m: Message) -> Callable[[], int]:
+        def run() -> int:
+            checker.enter(m)
+            try:
+                time.sleep(m.latency)
+                if m.fails:
+                    raise RuntimeError(f"handler failed on message {m.index}")
+                return m.index
+            finally:
+                checker.leave(m)
+
+        return run
+
+    with TenantScheduler(
+        max_concurrency=GLOBAL_LIMIT,
+        tenant_max_concurrency=TENANT_LIMIT,
+        tenant_max_queue_size=TENANT_QUEUE,
+        timeout=JOB_TIMEOUT,
+        idle_timeout=1.0,
+        name="demo",
+    ) as scheduler:
+        rng = random.Random(config.seed + 1)
+        for m in messages:
+            submitted = time.perf_counter()
+
+            def on_error(error: Exception, m: Message = m, t: float = submitted) -> None:
+                if isinstance(error, TooManyTasks):
+                    record(m, "rejected", t)
+                elif isinstance(error, TimeoutError):
+                    record(m, "timed_out", t)
+                else:
+                    record(m, "failed", t)
+
+            def on_completed(m: Message = m, t: float = submitted) -> None:
+                record(m, "completed", t)
+
+            subscription = scheduler.execute(m.tenant, handler(m), key=m.customer).subscribe(
+                on_error=on_error, on_completed=on_completed
+            )
+            if m.cancel_after is not None:
+
+                def cancel(m: Message = m, t: float = submitted, sub: Any = subscription) -> None:
+                    sub.dispose()
+                    record(m, "cancelled", t)
+
+                if m.cancel_after == 0:
+                    cancel()
+                else:
+                    threading.Timer(m.cancel_after, cancel).start()
+            if rng.random() < 0.6:
+                time.sleep(0.0008)  # arrivals are spread out (bursts excepted)
+        finished.wait(60)
+    rows = {t: TenantRow(tenant=t) for t in sorted({m.tenant for m in messages})}
+    latencies: dict[str, list[float]] = {t: [] for t in rows}
+    for m in messages:
+        row = rows[m.tenant]
+        row.jobs += 1
+        outcome, latency = outcomes.get(m.index, ("failed", 0.0))
+        setattr(row, outcome, getattr(row, outcome) + 1)
+        if outcome == "completed":
+            latencies[m.tenant].append(latency)
+    for tenant, row in rows.items():
+        values = sorted(latencies[tenant])
+        if values:
+            row.p50_ms = statistics.median(values) * 1000
+            row.p99_ms = values[min(len(values) - 1, int(0.99 * len(values)))] * 1000
+        row.max_running = checker.max_running[tenant]
+    return list(rows.values()), checker
+
+
+# -- part 2: the scheduled job across processes -----------------------------------------------
+
+
+def _scheduled_worker(url: str, log: str, start: float, ticks: int, period: float) -> None:
+    """One OS process of the scheduled job (runs in a child process)."""
+    from reactivex import operators as ops
+    from reactivex.scheduler import ImmediateScheduler
+
+    from .leases import leases_from_url
+
+    provider = leases_from_url(url)
+    pid = os.getpid()
+    with provider, open(log, "a", encoding="utf-8") as out:
+        for tick in range(ticks):
+            due = start + tick * period
+            delay = due - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            elif -delay > period / 2:
+                continue  # woke up too late for this tick: skip it, like a cron scheduler
+
+            def job(lease: Any, tick: int = tick) -> None:
+                time.sleep(0.02)  # the report takes a moment
+                out.write(json.dumps({"tick": tick, "pid": pid, "token": lease.token}) + "\n")
+                out.flush()
+
+            # ShedLock's executor: skipped (empty) when another process holds the lease, which
+            # stays taken for most of the period so a slightly late process cannot run the
+            # same tick again.
+            provider.run(
+                "demo-scheduled-report",
+                job,
+                wait=False,
+                at_most_for=period * 4,
+                at_least_for=period * 0.9,
+                scheduler=ImmediateScheduler(),
+            ).pipe(ops.to_list()).run()
+
+
+def run_scheduled_job(
+    config: DemoConfig, progress: Callable[[int], None] | None = None
+) -> tuple[int, int, int, list[int], str]:
+    """Returns (runs, ticks, double runs, tokens in run order, store description)."""
+    with tempfile.TemporaryDirectory(prefix="rxcoord-demo-") as tmp:
+        url = config.store_url or f"sqlite:///{Path(tmp) / 'leases.db'}"
+        logs = [str(Path(tmp) / f"runs-{i}.jsonl") for i in range(config.processes)]
+        start = time.time() + 2.0  # every process starts on the same schedule
+        workers = [
+            # Separate interpreters (not forks): the lease store is all they share.
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rxcoord._demo",
+                    url,
+                    log,
+                    repr(start),
+                    str(config.ticks),
+                    repr(config.period),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for log in logs
+        ]
+        while any(w.poll() is None for w in workers):
+            if progress is not None:
+                progress(max(0, min(config.ticks, int((time.time() - start) / config.period))))
+            time.sleep(0.05)
+        for w in workers:
+            _, err = w.communicate()
+            if w.returncode != 0:
+                last = err.strip().splitlines()[-1] if err.strip() else f"exit {w.returncode}"
+                raise RuntimeError(f"a scheduled-job process failed: {last}")
+        runs: list[dict[str, int]] = []
+        for log in logs:
+            if os.path.exists(log):
+                with open(log, encoding="utf-8") as f:
+                    runs.extend(json.loads(line) for line in f if line.strip())
+    per_tick = Counter(r["tick"] for r in runs)
+    double = sum(n - 1 for n in per_tick.values() if n > 1)
+    tokens = [r["token"] for r in sorted(runs, key=lambda r: (r["tick"], r["token"]))]
+    store = url.split("://", 1)[0]
+    return len(runs), len(per_tick), double, tokens, store
+
+
+def run_demo(
+    config: DemoConfig,
+    on_message: Callable[[int], None] | None = None,
+    on_tick: Callable[[int], None] | None = None,
+) -> DemoReport:
+    started = time.perf_counter()
+    rows, checker = run_service(config, on_message)
+    runs, ticks, double, tokens, store = run_scheduled_job(config, on_tick)
+    token_violations = sum(1 for a, b in itertools.pairwise(tokens) if b <= a)
+    limit_violations = sum(1 for r in rows if r.max_running > r.limit) + (
+        checker.max_total > GLOBAL_LIMIT
+    )
+    return DemoReport(
+        tenants=rows,
+        global_max_running=checker.max_total,
+        global_limit=GLOBAL_LIMIT,
+        ordering_violations=checker.ordering_violations,
+        exclusion_violations=checker.exclusion_violations,
+        limit_violations=limit_violations,
+        scheduled_runs=runs,
+        scheduled_ticks=ticks,
+        double_runs=double,
+        token_order_violations=token_violations,
+        tokens=tokens,
+        store=store,
+        seconds=time.perf_counter() - started,
+    )
+
+
+if __name__ == "__main__":  # a scheduled-job process: python -m rxcoord._demo URL LOG START N P
+    _url, _log, _start, _ticks, _period = sys.argv[1:6]
+    _scheduled_worker(_url, _log, float(_start), int(_ticks), float(_period))
