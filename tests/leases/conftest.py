@@ -201,6 +201,8 @@ class ThrowawayPostgres:
 
 def _postgres_bindir() -> Path:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=_version_key)
+    if not found and (initdb := shutil.which("initdb")):
+        found = [initdb]  # other distributions put the server binaries on PATH
     if not found:
         backend_unavailable(
             "PostgreSQL binaries (initdb, pg_ctl) not found: install the Debian package "
