@@ -61,7 +61,7 @@ from ._timer import call_later
 from .operators import serialize_by_key
 
 if TYPE_CHECKING:
-    from .leases import LeaseProvider
+    from .leases import DistributedLease, LeaseProvider
 
 __all__ = ["CoordinatorStats", "TenantTaskCoordinator"]
 
@@ -440,7 +440,7 @@ class TenantTaskCoordinator(abc.DisposableBase):
         self._timeout = _validate_timeout(timeout, "timeout")
         self._log = logger.bind(coordinator=name)
         self._leases = leases
-        self._lease_at_most_for = lease_at_most_for
+        self._lease_at_most_for = _validate_timeout(lease_at_most_for, "lease_at_most_for")
         self._lock = threading.Lock()
         self._state = CoordinatorState.OPEN
         self._tasks: set[_Task] = set()  # unsettled or still running: what close() must reach
@@ -742,25 +742,43 @@ class TenantTaskCoordinator(abc.DisposableBase):
         job = task.job
         value: Any = None
         error: BaseException | None = None
+        lease: DistributedLease | None = None
         if job is not None and not task.settled:  # not cancelled between hand-off and now
             try:
                 if self._leases is not None and task.lane_key is not task:
-                    value = self._run_under_lease(task, job)
-                else:
-                    value = job()
+                    # Keyed: hold the key's distributed lease too (blocking here is fine: this
+                    # thread is the job's), so the key is exclusive across processes as well.
+                    lease = self._leases.acquire(
+                        self._lease_name(task), self._lease_at_most_for, keep_alive=True
+                    )
+                value = job()
             except BaseException as exc:  # the job's error goes to its subscriber
                 error = exc
             if error is None and (inspect.iscoroutine(value) or asyncio.isfuture(value)):
-                # ``lambda: fetch(i)`` is an async job in disguise: await what it returned.
-                self._continue_async(task, value)
+                # ``lambda: fetch(i)`` is an async job in disguise: await what it returned
+                # (still under the lease, which is released when the awaitable is done).
+                self._continue_async(task, value, lease)
                 return
+            if lease is not None:
+                try:
+                    lease.release()  # LeaseLost if it expired: the work may overlap another's
+                except Exception as exc:
+                    if error is None:
+                        value, error = None, exc
+                    else:
+                        self._log.opt(exception=True).warning("lease release failed")
         self._finish(task, value, error)
 
-    def _continue_async(self, task: _Task, awaitable: Any) -> None:
+    def _continue_async(
+        self, task: _Task, awaitable: Any, lease: DistributedLease | None = None
+    ) -> None:
         loop = self._scheduler_loop or task.loop
         if loop is None:
             if inspect.iscoroutine(awaitable):
                 awaitable.close()  # never awaited: say so, not with a RuntimeWarning
+            if lease is not None:
+                with contextlib.suppress(Exception):
+                    lease.release()
             self._finish(
                 task,
                 None,
@@ -771,7 +789,10 @@ class TenantTaskCoordinator(abc.DisposableBase):
             )
             return
         task.job_loop = loop
-        task.job = lambda: awaitable
+        if lease is not None:
+            task.job = lambda: _awaited_then_released(awaitable, lease)
+        else:
+            task.job = lambda: awaitable
         self._start_async(task)
 
     def _start_async(self, task: _Task) -> None:
@@ -785,6 +806,8 @@ class TenantTaskCoordinator(abc.DisposableBase):
                 return
             try:
                 awaitable = job()
+                if self._leases is not None and task.lane_key is not task and task.is_async:
+                    awaitable = self._under_lease_async(task, awaitable)
                 if inspect.iscoroutine(awaitable):
                     future: asyncio.Future[Any] = loop.create_task(awaitable)
                 else:
@@ -976,8 +999,31 @@ class TenantTaskCoordinator(abc.DisposableBase):
 
     # -- distributed leases --------------------------------------------------------------------
 
-    def _run_under_lease(self, task: _Task, job: Callable[[], Any]) -> Any:
+    def _lease_name(self, task: _Task) -> str:
+        """The distributed lease of a keyed job: ``"<coordinator name>:<key>"``."""
+        return f"{self._name}:{task.lane_key[1]!s}"  # type: ignore[index]
+
+    async def _under_lease_async(self, task: _Task, awaitable: Awaitable[Any]) -> Any:
         assert self._leases is not None
-        name = f"{self._name}:{task.lane_key[1]!s}"  # type: ignore[index]
-        with self._leases.lock(name, at_most_for=self._lease_at_most_for, keep_alive=True):
-            return job()
+        try:
+            async with self._leases.lock_async(
+                self._lease_name(task), self._lease_at_most_for, keep_alive=True
+            ):
+                return await awaitable
+        finally:
+            if inspect.iscoroutine(awaitable) and inspect.getcoroutinestate(awaitable) == (
+                inspect.CORO_CREATED
+            ):
+                awaitable.close()  # the lease never came (cancelled, timed out, store down)
+
+
+async def _awaited_then_released(awaitable: Awaitable[Any], lease: DistributedLease) -> Any:
+    """Await a job's result, then release the lease it ran under (LeaseLost if it was lost)."""
+    try:
+        result = await awaitable
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await lease.release_async()
+        raise
+    await lease.release_async()
+    return result
