@@ -440,7 +440,10 @@ class TenantTaskCoordinator(abc.DisposableBase):
         self._timeout = _validate_timeout(timeout, "timeout")
         self._log = logger.bind(coordinator=name)
         self._leases = leases
-        self._lease_at_most_for = _validate_timeout(lease_at_most_for, "lease_at_most_for")
+        lease_for = _validate_timeout(lease_at_most_for, "lease_at_most_for")
+        if lease_for is None:
+            raise TypeError("lease_at_most_for must be a number of seconds, not None")
+        self._lease_at_most_for = lease_for
         self._lock = threading.Lock()
         self._state = CoordinatorState.OPEN
         self._tasks: set[_Task] = set()  # unsettled or still running: what close() must reach

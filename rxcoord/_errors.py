@@ -10,7 +10,9 @@ Every error rxcoord raises on purpose derives from :class:`RxcoordError`, so a c
      ├── LeaseReleasedError      a KeyedLocks lease was released twice     (also a RuntimeError)
      └── LeaseError              a distributed lease went wrong
           ├── LeaseLost          the lease is no longer ours (expired, taken over, released)
-          └── LeaseStoreUnavailable   the lease store cannot be reached    (also a ConnectionError)
+          │    └── StaleToken    a fenced resource refused an older holder's write
+          ├── LeaseStoreUnavailable   the lease store cannot be reached    (also a ConnectionError)
+          └── LeaseProviderClosed     the lease provider was closed        (also a RuntimeError)
 
 Bad arguments raise the built-in ``ValueError``/``TypeError``; a job's own exception reaches its
 subscriber unchanged; a job that runs out of time fails with the built-in ``TimeoutError``.
@@ -24,10 +26,12 @@ __all__ = [
     "CoordinatorClosed",
     "LeaseError",
     "LeaseLost",
+    "LeaseProviderClosed",
     "LeaseReleasedError",
     "LeaseStoreUnavailable",
     "LockTimeout",
     "RxcoordError",
+    "StaleToken",
     "TooManyTasks",
 ]
 
@@ -76,3 +80,34 @@ class LeaseStoreUnavailable(LeaseError, ConnectionError):
 
     The provider reconnects on the next call once the store is back.
     """
+
+
+class LeaseProviderClosed(LeaseError, RuntimeError):
+    """The lease provider was closed: it grants, extends and releases nothing any more.
+
+    ``close()`` released the leases the provider still held, so other holders do not have to wait
+    for them to expire. Open a new provider to take leases again.
+    """
+
+
+class StaleToken(LeaseLost):
+    """A fenced resource refused a write whose fencing token is older than one it already saw.
+
+    The writer's lease expired (a pause, a slow network) and a newer holder has written since:
+    the write must be dropped, not retried. Being a :class:`LeaseLost`, it is handled wherever a
+    lost lease is.
+
+    Attributes:
+        name: The fenced name (usually the lease name).
+        token: The refused token.
+        highest: The highest token the resource had accepted for ``name``.
+    """
+
+    def __init__(self, name: str, token: int, highest: int) -> None:
+        super().__init__(
+            f"stale fencing token {token} for {name!r}: the resource already accepted token "
+            f"{highest} from a newer holder; this holder's lease has expired, drop the write"
+        )
+        self.name = name
+        self.token = token
+        self.highest = highest

@@ -7,10 +7,12 @@ from rxcoord import (
     CoordinatorClosed,
     LeaseError,
     LeaseLost,
+    LeaseProviderClosed,
     LeaseReleasedError,
     LeaseStoreUnavailable,
     LockTimeout,
     RxcoordError,
+    StaleToken,
     TooManyTasks,
 )
 
@@ -24,6 +26,8 @@ def test_every_error_is_an_rxcoord_error() -> None:
         LeaseError,
         LeaseLost,
         LeaseStoreUnavailable,
+        LeaseProviderClosed,
+        StaleToken,
     ):
         assert issubclass(error, RxcoordError)
 
@@ -32,6 +36,8 @@ def test_built_in_bases_let_generic_handlers_catch_them() -> None:
     assert issubclass(LockTimeout, TimeoutError)
     assert issubclass(LeaseStoreUnavailable, ConnectionError)
     assert issubclass(LeaseReleasedError, RuntimeError)
+    assert issubclass(LeaseProviderClosed, RuntimeError)
+    assert issubclass(StaleToken, LeaseLost)
 
 
 def test_lease_failures_share_a_base() -> None:

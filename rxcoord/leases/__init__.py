@@ -22,14 +22,20 @@ the embedded default), :class:`PostgresLeases` and :class:`RedisLeases` (distrib
             build_report(fencing_token=lease.token)
 """
 
-from rxcoord._errors import LeaseError, LeaseLost, LeaseStoreUnavailable, LockTimeout
+from rxcoord._errors import (
+    LeaseError,
+    LeaseLost,
+    LeaseProviderClosed,
+    LeaseStoreUnavailable,
+    LockTimeout,
+    StaleToken,
+)
 
 from ._backends._memory import MemoryLeases, MemoryLeaseStore, MemoryLeaseStoreStats
 from ._backends._postgres import PostgresLeases
 from ._backends._redis import RedisLeases
 from ._backends._sqlite import SqliteLeases
 from ._base import LeaseProvider, LeaseProviderStats
-from ._errors import LeaseProviderClosed, StaleToken
 from ._fencing import FencingGuard, FencingGuardStats
 from ._lease import DistributedLease, LeaseStats
 from ._url import leases_from_url

@@ -38,10 +38,9 @@ from reactivex import Observable, abc
 from reactivex.disposable import CompositeDisposable, Disposable
 from reactivex.scheduler import NewThreadScheduler
 
-from rxcoord._errors import LeaseStoreUnavailable, LockTimeout
+from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
 
 from ._background import Background
-from ._errors import LeaseProviderClosed
 from ._lease import DistributedLease
 from ._notify import WaitHub, Watch
 from ._validate import check_lease_args, check_timeout

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from ._errors import StaleToken
+from rxcoord._errors import StaleToken
 
 __all__ = ["FencingGuard", "FencingGuardStats"]
 

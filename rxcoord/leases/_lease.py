@@ -31,9 +31,8 @@ from loguru import logger
 from reactivex import Observable, abc
 from reactivex.disposable import Disposable
 
-from rxcoord._errors import LeaseError, LeaseLost, LeaseStoreUnavailable
+from rxcoord._errors import LeaseError, LeaseLost, LeaseProviderClosed, LeaseStoreUnavailable
 
-from ._errors import LeaseProviderClosed
 from ._validate import check_duration
 
 if TYPE_CHECKING:
