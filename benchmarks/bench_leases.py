@@ -124,13 +124,13 @@ def print_rates(title: str, results: dict[str, list[float]], reference: str) -> 
         print(f"  {name:<28} {median:8.0f} pairs/s  [{spread}]  {reference}/this {ratio:4.2f}x")
 
 
-def commands_per_pair(url: str, prefix: str, pairs: int) -> None:
+def commands_per_pair(url: str, prefix: str, pairs: int) -> dict[str, tuple[float, float, str]]:
     """Round trips (client side) and server commands (INFO commandstats) per pair."""
-    print(f"\nRedis round trips and commands per acquire+release pair ({pairs} pairs each)")
     info = redis_client(url)
     counting = redis_client(url, counting=True)
     contenders = redis_contenders(url, counting, prefix)
     pairs_of: dict[str, Pair] = {name: pair for name, (pair, _) in contenders.items()}
+    counts: dict[str, tuple[float, float, str]] = {}
     for name, pair in pairs_of.items():
         for _ in range(20):
             pair()
@@ -144,14 +144,19 @@ def commands_per_pair(url: str, prefix: str, pairs: int) -> None:
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         calls = {k: v / pairs for k, v in sorted(delta.items()) if v > 0 and k != "info"}
         detail = " ".join(f"{k}={v:.2f}" for k, v in calls.items())
-        total = sum(calls.values())
-        trips = sent / pairs
-        print(f"  {name:<22} round trips {trips:4.2f}  server commands {total:4.2f}  ({detail})")
+        counts[name] = (sent / pairs, sum(calls.values()), detail)
     for _, closer in contenders.values():
         if closer is not None:
             closer.close()
     counting.close()
     info.close()
+    return counts
+
+
+def print_commands(counts: dict[str, tuple[float, float, str]], pairs: int) -> None:
+    print(f"\nRedis round trips and commands per acquire+release pair ({pairs} pairs each)")
+    for name, (trips, total, detail) in counts.items():
+        print(f"  {name:<22} round trips {trips:4.2f}  server commands {total:4.2f}  ({detail})")
 
 
 def _commandstats(client: redis.Redis) -> dict[str, int]:
@@ -329,6 +334,104 @@ def reachable_postgres(url: str) -> str | None:
     return None
 
 
+def bench_rows(
+    quick: bool,
+    *,
+    redis_url: str | None = None,
+    postgres_url: str | None = None,
+    notes: list[str] | None = None,
+    **options: object,
+) -> list[tuple[str, str, str, str, str, str]]:
+    """Rows for ``rxcoord bench``; a store that is unreachable is left out, with a note."""
+    pairs, repeat, handoffs = (300, 3, 15) if quick else (2000, 5, 60)
+    notes = notes if notes is not None else []
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    run = uuid.uuid4().hex[:8]
+    problem = reachable_redis(redis_url) if redis_url else "no --redis-url"
+    if problem or not redis_url:
+        notes.append(f"Redis rows left out: {redis_url or 'no URL'} is unreachable ({problem})")
+    else:
+        prefix = f"bench:{run}:"
+        client = redis_client(redis_url)
+        contenders = redis_contenders(redis_url, client, prefix)
+        rates = measure({n: p for n, (p, _) in contenders.items()}, pairs, repeat)
+        for _, closer in contenders.values():
+            if closer is not None:
+                closer.close()
+        client.close()
+        ours = statistics.median(rates["RedisLeases"])
+        for baseline, goal in (
+            ("redis-py Lock", ">= 1.2x"),
+            ("python-redis-lock", ""),
+            ("raw SET NX PX + DEL", ">= 0.9x"),
+        ):
+            theirs = statistics.median(rates[baseline])
+            rows.append(
+                (
+                    "leases, Redis try_acquire+release",
+                    f"{ours:,.0f} pairs/s",
+                    baseline,
+                    f"{theirs:,.0f} pairs/s",
+                    f"{ours / theirs:.2f}x",
+                    goal,
+                )
+            )
+        counts = commands_per_pair(redis_url, prefix, min(pairs, 500))
+        rows.append(
+            (
+                "leases, Redis round trips per pair",
+                f"{counts['RedisLeases'][0]:.2f}",
+                "redis-py Lock",
+                f"{counts['redis-py Lock'][0]:.2f}",
+                "",
+                "2",
+            )
+        )
+        latency = handoff_latencies(
+            ["RedisLeases", "python-redis-lock"], redis_url, prefix, handoffs
+        )
+        ours_ms = statistics.median(latency["RedisLeases"])
+        theirs_ms = statistics.median(latency["python-redis-lock"])
+        rows.append(
+            (
+                "leases, Redis hand-off (release -> wake)",
+                f"{ours_ms:.2f} ms",
+                "python-redis-lock",
+                f"{theirs_ms:.2f} ms",
+                f"{ours_ms / theirs_ms:.2f}x",
+                "<= 1x",
+            )
+        )
+    problem = reachable_postgres(postgres_url) if postgres_url else "no --postgres-url"
+    if problem or not postgres_url:
+        notes.append(
+            f"PostgreSQL rows left out: {postgres_url or 'no URL'} is unreachable ({problem})"
+        )
+    else:
+        table = f"bench_leases_{run}"
+        contenders_pg, closers = postgres_contenders(postgres_url, table)
+        rates = measure(contenders_pg, max(100, pairs // 4), repeat)
+        for closer in closers:
+            closer.close()
+        import psycopg
+
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+        ours = statistics.median(rates["PostgresLeases"])
+        theirs = statistics.median(rates["pg_try_advisory_lock pair"])
+        rows.append(
+            (
+                "leases, PostgreSQL try_acquire+release",
+                f"{ours:,.0f} pairs/s",
+                "pg_try_advisory_lock pair",
+                f"{theirs:,.0f} pairs/s",
+                f"{ours / theirs:.2f}x",
+                "",
+            )
+        )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
@@ -370,7 +473,8 @@ def main() -> int:
             if closer is not None:
                 closer.close()
         client.close()
-        commands_per_pair(args.redis_url, prefix, min(args.pairs, 500))
+        counted = min(args.pairs, 500)
+        print_commands(commands_per_pair(args.redis_url, prefix, counted), counted)
         handoffs = handoff_latencies(
             ["RedisLeases", "python-redis-lock"], args.redis_url, prefix, args.handoffs
         )

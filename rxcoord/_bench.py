@@ -7,7 +7,7 @@ the source checkout, next to the package, not inside it: a benchmark is not libr
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import platform
 import sys
 import time
@@ -27,15 +27,11 @@ BENCHMARKS = (
 
 
 def _load(directory: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        f"rxcoord_benchmarks.{name}", directory / f"{name}.py"
-    )
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot load {name}.py from {directory}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    # Importable by plain name (the directory goes on sys.path) so that benchmarks which start
+    # worker processes with multiprocessing's "spawn" can be re-imported in the child.
+    if str(directory) not in sys.path:
+        sys.path.insert(0, str(directory))
+    return importlib.import_module(name)
 
 
 def run_benchmarks(quick: bool, *, redis_url: str | None, postgres_url: str | None) -> int:
