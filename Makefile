@@ -31,7 +31,7 @@ format: venv
 	$(BIN)/ruff format rxcoord tests examples benchmarks
 
 bench: venv
-	$(BIN)/python benchmarks/bench_serialize.py
+	$(BIN)/rxcoord bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

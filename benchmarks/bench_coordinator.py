@@ -34,8 +34,9 @@ async def trivial_async() -> int:
     return 1
 
 
-def rxcoord_sync(jobs: int, workers: int) -> float:
-    with TenantTaskCoordinator(max_concurrency=workers, max_queue_size=jobs) as coordinator:
+def run_all(job: Callable[[], object], jobs: int, concurrency: int) -> float:
+    """Seconds for ``jobs`` subscriptions to ``execute(job)`` to complete, all submitted at once."""
+    with TenantTaskCoordinator(max_concurrency=concurrency, max_queue_size=jobs) as coordinator:
         done = threading.Event()
         remaining = jobs
         lock = threading.Lock()
@@ -47,12 +48,16 @@ def rxcoord_sync(jobs: int, workers: int) -> float:
                 if remaining == 0:
                     done.set()
 
+        execution = coordinator.execute(job)
         start = time.perf_counter()
-        execution = coordinator.execute(trivial)
         for _ in range(jobs):
             execution.subscribe(on_completed=on_completed)
         done.wait()
-        return jobs / (time.perf_counter() - start)
+        return time.perf_counter() - start
+
+
+def rxcoord_sync(jobs: int, workers: int) -> float:
+    return jobs / run_all(trivial, jobs, workers)
 
 
 def executor_sync(jobs: int, workers: int) -> float:
@@ -91,24 +96,8 @@ def semaphore_async(jobs: int, workers: int) -> float:
 
 def makespan(jobs: int, concurrency: int, duration: float) -> float:
     """Seconds to run ``jobs`` sleeping jobs, divided by the ideal ``jobs * duration / cap``."""
-    with TenantTaskCoordinator(max_concurrency=concurrency, max_queue_size=jobs) as coordinator:
-        done = threading.Event()
-        remaining = jobs
-        lock = threading.Lock()
-
-        def on_completed() -> None:
-            nonlocal remaining
-            with lock:
-                remaining -= 1
-                if remaining == 0:
-                    done.set()
-
-        execution = coordinator.execute(lambda: time.sleep(duration))
-        start = time.perf_counter()
-        for _ in range(jobs):
-            execution.subscribe(on_completed=on_completed)
-        done.wait()
-        return (time.perf_counter() - start) / (jobs * duration / concurrency)
+    elapsed = run_all(lambda: time.sleep(duration), jobs, concurrency)
+    return elapsed / (jobs * duration / concurrency)
 
 
 def medians(contenders: dict[str, Callable[[], float]], repeat: int) -> dict[str, float]:

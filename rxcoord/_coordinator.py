@@ -44,7 +44,6 @@ import inspect
 import threading
 from collections.abc import Awaitable, Callable, Generator, Hashable
 from dataclasses import dataclass
-from enum import Enum
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, cast, overload
 
@@ -56,6 +55,7 @@ from reactivex.scheduler.eventloop import AsyncIOScheduler
 from reactivex.subject import Subject
 
 from ._errors import CoordinatorClosed, TooManyTasks
+from ._lifecycle import Closeable, CoordinatorState
 from ._pool import WorkerPool
 from ._timer import call_later
 from .operators import serialize_by_key
@@ -74,14 +74,6 @@ _QUEUED: Final = 0
 _RUNNING: Final = 1
 _DONE: Final = 2
 _GATED: Final = 3  # its turn came, waiting for a global slot (TenantScheduler's gate)
-
-
-class CoordinatorState(Enum):
-    """Lifecycle of a coordinator: open -> closing -> closed."""
-
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +376,7 @@ class _Gate(Protocol):
     def release(self) -> None: ...
 
 
-class TenantTaskCoordinator(abc.DisposableBase):
+class TenantTaskCoordinator(Closeable):
     """Runs jobs with a concurrency limit, a bounded queue, per-key ordering and cancellation.
 
     ``execute(job)`` returns a cold Observable: each subscription submits the job once; it emits
@@ -616,16 +608,6 @@ class TenantTaskCoordinator(abc.DisposableBase):
             self._pool.shutdown(wait=wait)
         with self._lock:
             self._state = CoordinatorState.CLOSED
-
-    def dispose(self) -> None:
-        """Same as :meth:`close` (a coordinator is a reactivex Disposable)."""
-        self.close()
-
-    def __enter__(self) -> TenantTaskCoordinator:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

@@ -39,7 +39,6 @@ from reactivex import Observable, abc
 from reactivex.disposable import Disposable
 
 from ._coordinator import (
-    CoordinatorState,
     CoordinatorStats,
     TenantTaskCoordinator,
     _execution,
@@ -48,6 +47,7 @@ from ._coordinator import (
     _validate_timeout,
 )
 from ._errors import CoordinatorClosed
+from ._lifecycle import Closeable, CoordinatorState
 from ._pool import WorkerPool
 from ._timer import TimerHandle, call_later
 
@@ -213,7 +213,7 @@ class _Tenant(TenantTaskCoordinator):
         self._owner._tenant_idle(self)
 
 
-class TenantScheduler(abc.DisposableBase):
+class TenantScheduler(Closeable):
     """Runs jobs of many tenants under per-tenant limits, one global limit and fair sharing.
 
     ``execute(tenant, job)`` has the contract of :meth:`TenantTaskCoordinator.execute`, per
@@ -406,16 +406,6 @@ class TenantScheduler(abc.DisposableBase):
                 self._retire(tenant, evicted=False)
             self._tenants.clear()
             self._state = CoordinatorState.CLOSED
-
-    def dispose(self) -> None:
-        """Same as :meth:`close`."""
-        self.close()
-
-    def __enter__(self) -> TenantScheduler:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (
