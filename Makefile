@@ -21,7 +21,7 @@ demo: venv
 lint: venv
 	$(BIN)/ruff check rxcoord tests examples benchmarks
 	$(BIN)/ruff format --check rxcoord tests examples benchmarks
-	$(BIN)/mypy --strict rxcoord tests
+	$(BIN)/mypy --strict rxcoord tests examples benchmarks
 
 test: lint
 	$(BIN)/python -m pytest
