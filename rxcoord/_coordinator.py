@@ -56,7 +56,7 @@ from reactivex.subject import Subject
 
 from ._errors import CoordinatorClosed, TooManyTasks
 from ._lifecycle import Closeable, CoordinatorState
-from ._pool import WorkerPool
+from ._pool import WorkerPool, hand_off
 from ._timer import call_later
 from .operators import serialize_by_key
 
@@ -598,11 +598,13 @@ class TenantTaskCoordinator(Closeable):
             if self._state is not CoordinatorState.OPEN:
                 return
             self._state = CoordinatorState.CLOSING
-            tasks = list(self._tasks)
-        self._log.debug("closing coordinator {!r} with {} live jobs", self._name, len(tasks))
+            # Settle every live task in one step, before any subscriber code runs: otherwise a
+            # job finishing meanwhile could hand its slot to a queued task not yet reached.
+            settled = [(task, self._settle(task)) for task in list(self._tasks) if not task.settled]
+        self._log.debug("closing coordinator {!r} with {} live jobs", self._name, len(settled))
         error = CoordinatorClosed(f"coordinator {self._name!r} is closed")
-        for task in tasks:
-            self._cancel(task, error)
+        for task, cleanup in settled:
+            self._after_settle(task, cleanup, error)
         self._pipeline.dispose()
         if self._pool is not None and self._owns_pool:
             self._pool.shutdown(wait=wait)
@@ -682,6 +684,12 @@ class TenantTaskCoordinator(Closeable):
             self._release_slot(task)
         elif gate is not None:
             gate.request(self._gate_lane, task)  # counted as queued until a global slot frees
+            # A dispose between the unlock above and the request could not withdraw the task
+            # (it was not at the gate yet): take it back now, or it would wait there for a turn.
+            with self._lock:
+                stranded = task.settled and task.state is _GATED
+            if stranded and self._withdraw(task):
+                self._became_idle()
         else:
             self._begin(task)
 
@@ -759,11 +767,7 @@ class TenantTaskCoordinator(Closeable):
     ) -> None:
         loop = self._scheduler_loop or task.loop
         if loop is None:
-            if inspect.iscoroutine(awaitable):
-                awaitable.close()  # never awaited: say so, not with a RuntimeWarning
-            if lease is not None:
-                with contextlib.suppress(Exception):
-                    lease.release()
+            self._discard_awaitable(awaitable, lease)
             self._finish(
                 task,
                 None,
@@ -773,12 +777,28 @@ class TenantTaskCoordinator(Closeable):
                 ),
             )
             return
+        if task.settled:  # cancelled (or timed out) while the sync part ran
+            self._discard_awaitable(awaitable, lease)
+            self._finish(task, None, None)
+            return
         task.job_loop = loop
         if lease is not None:
             task.job = lambda: _awaited_then_released(awaitable, lease)
         else:
             task.job = lambda: awaitable
-        self._start_async(task)
+        try:
+            self._start_async(task)
+        except Exception as exc:  # e.g. the loop was closed meanwhile: tell the caller
+            self._discard_awaitable(awaitable, lease)
+            self._finish(task, None, exc)
+
+    @staticmethod
+    def _discard_awaitable(awaitable: Any, lease: DistributedLease | None) -> None:
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()  # never awaited: say so, not with a RuntimeWarning
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                lease.release()
 
     def _start_async(self, task: _Task) -> None:
         loop = task.job_loop
@@ -888,45 +908,64 @@ class TenantTaskCoordinator(Closeable):
             self._log.opt(exception=True).error("a subscriber of {!r} raised", self._name)
 
     def _cancel(self, task: _Task, error: Exception | None) -> None:
-        """Cancel ``task``: on its subscriber's dispose (``error`` None) or on close."""
-        idle = False
+        """Cancel ``task``: on its subscriber's dispose (``error`` None) or a pipeline fault."""
         with self._lock:
             if task.settled:
                 return
-            task.settled = True
-            self._cancelled += 1
-            state = task.state
-            if state is _QUEUED:
-                # Leaves the counters at once; the pipeline drops it when its turn comes.
-                self._queued -= 1
-                self._tasks.discard(task)
-                task.job = None
-                idle = self._queued + self._running == 0
-            handle = task.handle
-            timer = task.timer
-            task.timer = None
+            cleanup = self._settle(task)
+        self._after_settle(task, cleanup, error)
+
+    def _settle(self, task: _Task) -> tuple[int, asyncio.Future[Any] | None, Any, bool]:
+        """Mark an unsettled task cancelled (lock held); what is left to do outside the lock."""
+        task.settled = True
+        self._cancelled += 1
+        state = task.state
+        idle = False
+        if state is _QUEUED:
+            # Leaves the counters at once; the pipeline drops it when its turn comes.
+            self._queued -= 1
+            self._tasks.discard(task)
+            task.job = None
+            idle = self._queued + self._running == 0
+        timer = task.timer
+        task.timer = None
+        return state, task.handle, timer, idle
+
+    def _after_settle(
+        self,
+        task: _Task,
+        cleanup: tuple[int, asyncio.Future[Any] | None, Any, bool],
+        error: Exception | None,
+    ) -> None:
+        state, handle, timer, idle = cleanup
         if timer is not None:
             timer()
         if handle is not None:
             self._cancel_async(task, handle)
-        if (
-            state is _GATED
-            and self._gate is not None
-            and self._gate.withdraw(self._gate_lane, task)
-        ):
-            # Taken back before a global slot was granted: it never starts. (Otherwise the
-            # gate is granting it right now and _granted sees the task settled.)
-            with self._lock:
-                task.state = _DONE
-                self._queued -= 1
-                self._tasks.discard(task)
-                task.job = None
-                idle = self._queued + self._running == 0
-            self._release_slot(task)
+        if state is _GATED:
+            idle = self._withdraw(task) or idle
         if error is not None:
             self._deliver(task, None, error)
         if idle:
             self._became_idle()
+
+    def _withdraw(self, task: _Task) -> bool:
+        """Take a settled task back from the gate if it is still waiting there.
+
+        The gate's lock makes this atomic: exactly one of the withdrawer and the gate's grant
+        (``_granted`` then sees the task settled) cleans it up. True if that left the
+        coordinator idle.
+        """
+        if self._gate is None or not self._gate.withdraw(self._gate_lane, task):
+            return False
+        with self._lock:
+            task.state = _DONE
+            self._queued -= 1
+            self._tasks.discard(task)
+            task.job = None
+            idle = self._queued + self._running == 0
+        self._release_slot(task)
+        return idle
 
     def _cancel_async(self, task: _Task, handle: asyncio.Future[Any]) -> None:
         loop = task.job_loop
@@ -961,11 +1000,13 @@ class TenantTaskCoordinator(Closeable):
         self._log.info("a job on {!r} timed out after {} s", self._name, timeout)
         if handle is not None:
             self._cancel_async(task, handle)
-        self._deliver(
-            task,
-            None,
-            TimeoutError(f"job timed out after {timeout} s on coordinator {self._name!r}"),
-        )
+        error = TimeoutError(f"job timed out after {timeout} s on coordinator {self._name!r}")
+        if self._virtual is not None or task.loop is not None:
+            self._deliver(task, None, error)  # virtual time, or hopping onto the caller's loop
+        else:
+            # This runs on the process-wide timer thread: subscriber code there would delay
+            # every other timeout, lease renewal and eviction (or kill the thread). Hand off.
+            hand_off(lambda: self._deliver_now(task.observer, None, error))
 
     def _pipeline_fault(self, error: Exception) -> None:
         """Nothing in the pipeline raises by design; if it ever does, no caller may hang.

@@ -112,7 +112,7 @@ from reactivex.disposable import Disposable, SingleAssignmentDisposable
 from reactivex.observer.autodetachobserver import AutoDetachObserver
 
 from ._errors import LeaseReleasedError, LockTimeout
-from ._pool import WorkerPool
+from ._pool import hand_off
 from ._timer import TimerHandle, call_later
 
 __all__ = ["KeyedLocks", "KeyedLocksStats", "Lease"]
@@ -1594,20 +1594,9 @@ async def _await(awaitable: Awaitable[_R]) -> _R:
     return await awaitable
 
 
-# -- the workers for deliveries caused by timeouts --------------------------------------------
-
-# Daemon threads started on first use (a process whose requests never time out starts none).
-# Four: a slow subscriber delays the next expiry's delivery, never the timer itself.
-_workers = WorkerPool(4, "rxcoord-locks")
+# -- deliveries caused by timeouts ------------------------------------------------------------
 
 
 def _hand_off(fn: Callable[[], None]) -> None:
-    """Run ``fn`` on a worker (never on the timer thread); log its failures."""
-
-    def call() -> None:
-        try:
-            fn()
-        except Exception:
-            logger.opt(exception=True).error("rxcoord: a lease subscriber failed")
-
-    _workers.submit(call)
+    """Run ``fn`` on rxcoord's delivery workers (never on the timer thread)."""
+    hand_off(fn, "a lease subscriber")

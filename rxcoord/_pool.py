@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from loguru import logger
 
-__all__ = ["WorkerPool"]
+__all__ = ["WorkerPool", "hand_off"]
 
 
 class WorkerPool:
@@ -46,7 +46,9 @@ class WorkerPool:
                 )
                 self._threads.append(thread)
                 thread.start()
-        self._queue.put(fn)
+            # Under the lock: shutdown() queues its exit markers under it too, so a job can
+            # never land behind them and stay unrun. (SimpleQueue.put never blocks.)
+            self._queue.put(fn)
 
     def _work(self) -> None:
         get = self._queue.get
@@ -86,3 +88,21 @@ class WorkerPool:
             for thread in threads:
                 if thread is not me:
                     thread.join()
+
+
+# Deliveries caused by timers (a job's timeout, a lock request's expiry) run here, never on the
+# shared timer thread: a slow or blocking subscriber must not delay every other timer. Daemon
+# threads, started on first use; four, so one slow subscriber delays only its own delivery.
+_deliveries = WorkerPool(4, "rxcoord-deliver")
+
+
+def hand_off(fn: Callable[[], object], what: str = "a subscriber") -> None:
+    """Run ``fn`` on a delivery worker (never on the timer thread); log its failures."""
+
+    def call() -> None:
+        try:
+            fn()
+        except Exception:
+            logger.opt(exception=True).error("rxcoord: {} failed", what)
+
+    _deliveries.submit(call)

@@ -107,6 +107,7 @@ class _FairGate:
         self._seq = itertools.count()
         self._clock = 0.0  # virtual time: the pass of the latest start
         self._stale = 0  # heap entries of lanes whose waiting jobs were all withdrawn
+        self._closed = False  # closing: grant nothing more (tenants are closed one by one)
 
     @property
     def running(self) -> int:
@@ -144,8 +145,15 @@ class _FairGate:
         if granted is not None:
             self._grant(granted)
 
+    def close(self) -> None:
+        """Grant nothing from now on; waiting jobs stay until their tenants withdraw them."""
+        with self._lock:
+            self._closed = True
+
     def _next(self) -> _Task | None:
         """Take a slot for the next job, fairly (lock held)."""
+        if self._closed:
+            return None
         heap = self._heap
         while heap:
             pass_, _, lane = heapq.heappop(heap)
@@ -397,6 +405,9 @@ class TenantScheduler(Closeable):
                 return
             self._state = CoordinatorState.CLOSING
             tenants = list(self._tenants.values())
+        # First stop the gate: while the tenants are closed one after another, a job finishing
+        # in one tenant must not hand its global slot to a job of a tenant not closed yet.
+        self._gate.close()
         for tenant in tenants:
             tenant.close(wait=False)
         if self._pool is not None:

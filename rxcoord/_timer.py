@@ -121,7 +121,7 @@ class Timers:
             if callback is not None:
                 try:
                     callback()
-                except Exception:
+                except BaseException:  # even SystemExit: a dead timer thread stalls every timer
                     logger.opt(exception=True).error("rxcoord timer callback failed")
 
 

@@ -755,3 +755,110 @@ def test_a_pipeline_fault_fails_live_jobs_and_a_fresh_pipeline_takes_over() -> N
         logger.disable("rxcoord")
         logger.remove(sink)
     assert records == ["CRITICAL"]
+
+
+# -- regressions found in review ----------------------------------------------------------------
+
+
+def test_timeout_errors_are_not_delivered_on_the_shared_timer_thread() -> None:
+    # A subscriber that blocks in on_error must not hold up other jobs' timeouts (or lease
+    # renewals): the delivery runs off the process-wide timer thread.
+    with TenantTaskCoordinator(max_concurrency=2, max_queue_size=5) as c:
+        release = threading.Event()
+        first_thread: list[str] = []
+
+        def slow_on_error(_: Exception) -> None:
+            first_thread.append(threading.current_thread().name)
+            release.wait(WAIT)
+
+        gates = [Gate(), Gate()]
+        c.execute(gates[0], timeout=0.02).subscribe(on_error=slow_on_error)
+        wait_until(lambda: bool(first_thread), "the first timeout")
+        second = Outcome()
+        second.subscribe_to(c.execute(gates[1], timeout=0.02))
+        assert second.done.wait(WAIT)  # fired while the first subscriber still blocks
+        assert isinstance(second.error, TimeoutError)
+        assert first_thread[0] != "rxcoord-timer"
+        release.set()
+        for gate in gates:
+            gate.open()
+
+
+def test_close_never_starts_a_queued_job_while_it_notifies_subscribers() -> None:
+    c = TenantTaskCoordinator(max_concurrency=1, max_queue_size=10)
+    first = Gate("first")
+    ran: list[int] = []
+
+    def on_error(_: Exception) -> None:
+        # close() is delivering CoordinatorClosed here; meanwhile the running job returns and
+        # frees its slot. No queued job may start from it.
+        first.open()
+        assert first.returned.wait(WAIT)
+        time.sleep(0.02)
+
+    c.execute(first).subscribe(on_error=on_error)
+    assert first.started.wait(WAIT)
+    queued = [Outcome() for _ in range(5)]
+    for i, o in enumerate(queued):
+
+        def job(i: int = i) -> None:
+            ran.append(i)
+
+        o.subscribe_to(c.execute(job))
+    c.close()
+    assert ran == []
+    assert all(isinstance(o.error, CoordinatorClosed) for o in queued)
+    assert c.stats().work_in_progress == 0
+
+
+def test_a_coroutine_returned_after_its_loop_closed_frees_the_slot() -> None:
+    import asyncio
+
+    c = TenantTaskCoordinator(max_concurrency=1, max_queue_size=5)
+    gate = threading.Event()
+
+    async def fetch() -> int:
+        return 1
+
+    def job() -> Any:
+        gate.wait(WAIT)
+        return fetch()  # an async job in disguise, finished only after the loop is gone
+
+    async def subscribe_on_a_loop() -> None:
+        c.execute(job).subscribe()
+
+    asyncio.run(subscribe_on_a_loop())  # the subscriber's loop is closed from here on
+    gate.set()
+    wait_until(lambda: c.running == 0, "the slot to be freed")
+    assert c.execute(lambda: "next").run() == "next"
+    assert c.stats().failed == 1
+    c.close()
+
+
+def test_cancelling_during_the_sync_part_of_a_disguised_async_job_closes_the_coroutine() -> None:
+    import asyncio
+    import gc
+
+    c = TenantTaskCoordinator(max_concurrency=1)
+    gate = threading.Event()
+    started = threading.Event()
+
+    async def fetch() -> int:
+        return 1
+
+    def job() -> Any:
+        started.set()
+        gate.wait(WAIT)
+        return fetch()
+
+    async def main() -> None:
+        sub = c.execute(job).subscribe()
+        assert started.wait(WAIT)
+        sub.dispose()
+        gate.set()
+        await asyncio.sleep(0)
+        wait_until(lambda: c.running == 0, "the job to finish")
+
+    asyncio.run(main())
+    gc.collect()  # an unawaited coroutine would warn here (an error under filterwarnings)
+    c.close()

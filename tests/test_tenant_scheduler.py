@@ -412,3 +412,69 @@ def test_logging_is_bound_with_the_tenant() -> None:
     rejected = [r for r in records if r["message"].startswith("rejected")]
     assert rejected
     assert rejected[0]["extra"]["tenant"] == "acme"
+
+
+def test_a_dispose_just_before_the_gate_request_does_not_park_a_dead_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The task's turn comes on a worker (its predecessor just finished) while its subscriber
+    # disposes from another thread, in the instant between "gated" and the gate request. The
+    # window is a few bytecodes; the test holds it open by pausing the worker in request().
+    from rxcoord import _tenant_scheduler as ts
+
+    with TenantScheduler(max_concurrency=2, tenant_max_concurrency=1, tenant_max_queue_size=1) as s:
+        hog, first, other = threading.Event(), threading.Event(), threading.Event()
+        # The holders outlast every wait below, so nothing frees the gate by itself.
+        s.execute("H", lambda: hog.wait(6 * WAIT)).subscribe()
+        s.execute("A", lambda: first.wait(WAIT)).subscribe()
+        wait_until(lambda: s.stats().running == 2, "both slots taken")
+        s.execute("B", lambda: other.wait(6 * WAIT)).subscribe()  # waits at the gate
+        ran: list[str] = []
+        second = s.execute("A", lambda: ran.append("A2")).subscribe()  # queued behind A1
+
+        original = ts._FairGate.request
+        in_window, go_on = threading.Event(), threading.Event()
+
+        def request(self: ts._FairGate, lane: ts._Lane, task: Any) -> None:
+            if threading.current_thread().name.startswith("rxcoord-"):
+                in_window.set()
+                go_on.wait(WAIT)
+            original(self, lane, task)
+
+        monkeypatch.setattr(ts._FairGate, "request", request)
+        first.set()  # A1 returns: A2's turn comes on the worker, which pauses in request()
+        assert in_window.wait(WAIT)
+        second.dispose()
+        go_on.set()
+        wait_until(lambda: s.stats("A").work_in_progress == 0, "A2 to leave the counters")
+        monkeypatch.setattr(ts._FairGate, "request", original)
+        other.set()
+        hog.set()
+        wait_until(lambda: s.stats().work_in_progress == 0, "idle")
+        assert ran == []
+
+
+def test_closing_grants_no_job_of_a_tenant_not_closed_yet() -> None:
+    s = TenantScheduler(max_concurrency=1, tenant_max_concurrency=1)
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def holder() -> None:
+        gate.wait(WAIT)
+
+    def on_error(_: Exception) -> None:
+        gate.set()  # the holder returns while close() is still busy with the tenants
+        time.sleep(0.05)
+
+    s.execute("a", holder).subscribe(on_error=on_error)
+    wait_until(lambda: s.stats().running == 1, "the holder")
+    outcomes = [Outcome() for _ in range(4)]
+    for i, o in enumerate(outcomes):
+
+        def job(name: str = f"t{i}") -> None:
+            ran.append(name)
+
+        s.execute(f"t{i}", job).subscribe(o)
+    s.close()
+    assert ran == []
+    assert all(isinstance(o.error, CoordinatorClosed) for o in outcomes)

@@ -107,3 +107,15 @@ def test_a_huge_delay_neither_kills_the_thread_nor_stalls_other_timers() -> None
     timers.call_later(0.01, fired.set)
     assert fired.wait(5)
     assert timers.pending() == 1
+
+
+def test_a_callback_raising_a_base_exception_does_not_kill_the_thread() -> None:
+    timers = Timers()
+    ok = threading.Event()
+
+    def exits() -> None:
+        raise SystemExit("callback bug")
+
+    timers.call_later(0.0, exits)
+    timers.call_later(0.01, ok.set)
+    assert ok.wait(5)
