@@ -34,6 +34,7 @@ from time import monotonic
 from types import TracebackType
 from typing import Final, Literal, TypeVar
 
+from loguru import logger
 from reactivex import Observable, abc
 from reactivex.disposable import CompositeDisposable, Disposable
 from reactivex.scheduler import NewThreadScheduler
@@ -94,21 +95,42 @@ class LeaseProviderStats:
 
 
 class _Cancel:
-    """Cancels one waiting acquisition (used when a subscription is disposed)."""
+    """Cancels one waiting acquisition (used when a subscription is disposed).
 
-    __slots__ = ("_lock", "_watch", "cancelled")
+    It also decides who owns a lease emitted while the subscription is being disposed. Reactive
+    observers drop values once disposed (``AutoDetachObserver`` marks itself stopped *before* it
+    disposes our subscription, and operators such as ``timeout`` stop forwarding before they
+    dispose upstream), so a lease emitted concurrently with a disposal from another thread may
+    reach nobody. The rule: the subscriber owns the lease only if the subscription was not
+    disposed before the delivery began, nor from another thread before it ended. A disposal on
+    the delivering thread itself (``take(1)``, ``first()`` completing downstream) comes after
+    the lease was received and leaves it to the subscriber.
+    """
+
+    __slots__ = ("_by", "_lock", "_watch", "cancelled")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._watch: Watch | None = None
+        self._by = 0  # the thread that cancelled first
         self.cancelled = False
 
     def set(self) -> None:
-        with self._lock:
-            self.cancelled = True
+        with self._lock:  # never held while a lease is delivered: this does not wait for one
+            if not self.cancelled:
+                self._by = threading.get_ident()
+                self.cancelled = True
             watch = self._watch
         if watch is not None:
             watch.fire()
+
+    def begin_delivery(self) -> bool:
+        """False if the subscription is already disposed: do not emit, release the lease."""
+        return not self.cancelled
+
+    def delivered(self) -> bool:
+        """After emitting: False if another thread disposed the subscription meanwhile."""
+        return not self.cancelled or self._by == threading.get_ident()
 
     def bind(self, watch: Watch) -> None:
         with self._lock:
@@ -132,6 +154,9 @@ class LeaseProvider(ABC):
     """
 
     backend: str = "abstract"
+    # Seconds one round trip to the store may take (None: unbounded, a local store). Also the
+    # most close() waits for background work and for releasing the leases still held.
+    _op_timeout: float | None = None
 
     def __init__(self, hub: WaitHub, *, poll: tuple[float, float]) -> None:
         """Set up the shared machinery.
@@ -167,11 +192,18 @@ class LeaseProvider(ABC):
         """
 
     @abstractmethod
-    def _store_extend(self, name: str, token: int, at_most_for: float) -> bool:
-        """Extend the grant (name, token) if unexpired and unreleased; False otherwise."""
+    def _store_extend(
+        self, name: str, token: int, at_most_for: float, *, timeout: float | None = None
+    ) -> bool:
+        """Extend the grant (name, token) if unexpired and unreleased; False otherwise.
+
+        ``timeout`` caps the round trip below the backend's own limit (keep-alive passes the
+        time the lease has left); a store that does not answer in time raises
+        ``LeaseStoreUnavailable``.
+        """
 
     @abstractmethod
-    def _store_release(self, name: str, token: int) -> bool:
+    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
         """Release the grant (name, token) if unexpired and unreleased; False otherwise."""
 
     @abstractmethod
@@ -380,7 +412,11 @@ class LeaseProvider(ABC):
         The subscriber owns the emitted lease and must release it (for instance in
         ``ops.finally_action``). With ``wait=False`` it completes empty when the name is
         taken. Disposing before the grant cancels the wait; a lease granted after disposal is
-        released right away. Errors as :meth:`acquire`.
+        released right away, and so is one whose emission is overlapped by a disposal from
+        another thread (a disposed observer drops what it is sent, so the lease may have
+        reached nobody). A disposal from the emitting thread itself (``take(1)``, ``first()``)
+        happens after the lease was received: the subscriber keeps it. Errors as
+        :meth:`acquire`.
 
         Raises:
             ValueError: Bad arguments (raised here, not on subscription).
@@ -404,12 +440,26 @@ class LeaseProvider(ABC):
                 except Exception as exc:
                     observer.on_error(exc)
                     return
-                if cancel.cancelled:
-                    if lease is not None:
-                        lease._release_quietly()
+                if lease is None:
+                    if not cancel.cancelled:
+                        observer.on_completed()
                     return
-                if lease is not None:
+                # See _Cancel for who owns a lease emitted while the subscription is disposed.
+                if not cancel.begin_delivery():
+                    lease._release_quietly()
+                    return
+                try:
                     observer.on_next(lease)
+                finally:
+                    delivered = cancel.delivered()
+                if not delivered:
+                    logger.info(
+                        "rxcoord lease {!r}: subscription disposed while the lease was emitted; "
+                        "released",
+                        name,
+                    )
+                    lease._release_quietly()
+                    return
                 observer.on_completed()
 
             chosen = scheduler or scheduler_ or NewThreadScheduler()
@@ -459,6 +509,8 @@ class LeaseProvider(ABC):
             wake = asyncio.Event()
             watch = self._hub.watch(name, lambda: loop.call_soon_threadsafe(wake.set))
             try:
+                if watch.confirmed:  # as in _acquire_blocking: no confirmation will wake us
+                    result = await self._attempt_async(name, most, least)
                 poll = self._poll_min
                 while isinstance(result, float):
                     delay, poll = self._next_delay(result, watch, poll, deadline, name, wait)
@@ -509,17 +561,25 @@ class LeaseProvider(ABC):
     def close(self) -> None:
         """Release the leases still held, wake waiters, close connections. Idempotent.
 
-        Waiters fail with :class:`LeaseProviderClosed`; later calls raise it too.
+        Waiters fail with :class:`LeaseProviderClosed`; later calls raise it too. A
+        ``release()`` in flight on another thread is waited for; if it fails because of the
+        close, the lease is released here. With a server that does not answer (PostgreSQL,
+        Redis), close() spends about the provider's ``timeout`` on background work and
+        releases together; leases it could not release become lost and expire on their own.
         """
         with self._lock:
             if self._state is not _OPEN:
                 return
             self._state = _CLOSING
             held = list(self._held)
+        # A store that stopped answering must not make close() hang: background work and the
+        # releases below share one budget; what does not fit is left to expire on its own.
+        budget = self._op_timeout
+        deadline = None if budget is None else monotonic() + budget
         self._hub.close()
-        self._background.close()
+        self._background.close(grace=budget)
         for lease in held:
-            self._release_for_close(lease)
+            self._release_for_close(lease, None if deadline is None else deadline - monotonic())
         self._store_close()
         with self._lock:
             self._state = _CLOSED
@@ -594,7 +654,7 @@ class LeaseProvider(ABC):
                 self._held.add(lease)
                 self._granted += 1
         if not is_open:  # closed while the grant was in flight: give it back
-            self._release_for_close(lease)
+            self._release_for_close(lease, self._op_timeout)
             self._check_open()
         return lease
 
@@ -640,6 +700,13 @@ class LeaseProvider(ABC):
         if cancel is not None:
             cancel.bind(watch)
         try:
+            if watch.confirmed:
+                # Registered on a subscription already in place (another waiter's, or a hub that
+                # sees every release): a release between the failed try and the registration
+                # woke nobody, and no confirmation will come to make us retry. Retry now.
+                result = self._attempt(name, most, least)
+                if not isinstance(result, float):
+                    return result
             poll = self._poll_min
             while True:
                 delay, poll = self._next_delay(result, watch, poll, deadline, name, timeout)
@@ -677,10 +744,12 @@ class LeaseProvider(ABC):
             delay = min(delay, left)
         return delay, poll
 
-    def _extend_lease(self, lease: DistributedLease, most: float) -> bool:
+    def _extend_lease(
+        self, lease: DistributedLease, most: float, *, timeout: float | None = None
+    ) -> bool:
         self._check_open()
         try:
-            ok = self._store_extend(lease.name, lease.token, most)
+            ok = self._store_extend(lease.name, lease.token, most, timeout=timeout)
         except LeaseStoreUnavailable:
             with self._lock:
                 self._store_errors += 1
@@ -712,5 +781,5 @@ class LeaseProvider(ABC):
         with suppress(LeaseStoreUnavailable):
             self._store_release(lease.name, lease.token)
 
-    def _release_for_close(self, lease: DistributedLease) -> None:
-        lease._release_on_close()
+    def _release_for_close(self, lease: DistributedLease, timeout: float | None) -> None:
+        lease._release_on_close(timeout)

@@ -93,6 +93,7 @@ class DistributedLease:
         "_lost_error",
         "_observers",
         "_provider",
+        "_settled",
         "_state",
         "at_least_for",
         "at_most_for",
@@ -121,6 +122,9 @@ class DistributedLease:
         self._keep_alive = False
         self._lost_error: LeaseLost | None = None
         self._observers: list[tuple[_LostCallback, _EndCallback | None]] | None = None
+        # Set when the lease leaves ``releasing``; created only when a closing provider has to
+        # wait for a release in flight (see _release_on_close).
+        self._settled: threading.Event | None = None
 
     def __repr__(self) -> str:
         return (
@@ -204,10 +208,16 @@ class DistributedLease:
             self._end(_LOST, error, "the store refused to extend it")
             raise error
         with self._lock:
+            reschedule = False
             if self._state is _HELD:
                 self._expires = sent + most
+                reschedule = self._keep_alive and most != self.at_most_for
                 self.at_most_for = most
                 self._extensions += 1
+        if reschedule:
+            # The pending renewal was timed for the old duration: a shorter lease would expire
+            # before it, while it still reads as held.
+            self._provider._background.reschedule(self, most / 3)
 
     def release(self) -> None:
         """Give the lease back. One round trip.
@@ -240,6 +250,11 @@ class DistributedLease:
                 if self._state is _RELEASING:
                     self._state = _HELD
                     self._keep_alive = keep_alive
+                settled, self._settled = self._settled, None
+            if settled is not None:
+                # A closing provider waits for this release (LeaseProviderClosed, most likely):
+                # the lease is held again, and the provider releases it now.
+                settled.set()
             if keep_alive:
                 self._provider._background.start(self, self.at_most_for / 3)
             raise
@@ -276,15 +291,32 @@ class DistributedLease:
                 "rxcoord lease {!r} not released ({}); it expires on its own", self.name, exc
             )
 
-    def _release_on_close(self) -> None:
-        """Release on behalf of a closing provider (which no longer accepts ``release()``)."""
+    def _release_on_close(self, timeout: float | None = None) -> None:
+        """Release on behalf of a closing provider (which no longer accepts ``release()``).
+
+        A ``release()`` in flight on another thread is waited for (up to ``timeout``): it either
+        succeeds, or fails (the provider is closing) and hands the lease back, held, to be
+        released here. ``timeout`` also bounds the store's round trip.
+        """
+        deadline = None if timeout is None else monotonic() + timeout
+        with self._lock:
+            settled = None
+            if self._state is _RELEASING:
+                if self._settled is None:
+                    self._settled = threading.Event()
+                settled = self._settled
+        if settled is not None:
+            settled.wait(timeout)
         with self._lock:
             if self._state is not _HELD:
                 return
             self._state = _RELEASING
             self._keep_alive = False
         try:
-            ok = self._provider._store_release(self.name, self.token)
+            left = None if deadline is None else deadline - monotonic()
+            if left is not None and left <= 0:
+                raise LeaseStoreUnavailable("no time left to release it before close() returns")
+            ok = self._provider._store_release(self.name, self.token, timeout=left)
         except LeaseStoreUnavailable as exc:
             error = LeaseLost(
                 f"lease {self.name!r} (token {self.token}) could not be released when its "
@@ -325,7 +357,9 @@ class DistributedLease:
 
         If a renewal is refused (the lease was lost) or the store stays unreachable until the
         lease may have expired, the lease becomes ``lost``, the loss is logged, and the
-        ``on_lost`` callbacks and ``when_lost`` subscribers are told. Idempotent.
+        ``on_lost`` callbacks and ``when_lost`` subscribers are told. A renewal waits for the
+        store no longer than the lease has left, so a store that stops answering is reported
+        by the lease's expiry at the latest. Idempotent.
 
         Raises:
             LeaseLost: The lease is not held any more.
@@ -357,8 +391,13 @@ class DistributedLease:
                 return None
             most = self.at_most_for
         sent = monotonic()
+        left = self._expires - sent
         try:
-            ok = self._provider._extend_lease(self, most)
+            if left <= 0:
+                raise LeaseStoreUnavailable("no renewal succeeded in time")
+            # The round trip may take no longer than the lease has left: a store that stops
+            # answering must not keep the holder believing in a lease that has expired.
+            ok = self._provider._extend_lease(self, most, timeout=left)
         except LeaseProviderClosed:
             return None
         except LeaseStoreUnavailable as exc:
@@ -455,6 +494,9 @@ class DistributedLease:
             self._lost_error = error
             keep_alive, self._keep_alive = self._keep_alive, False
             observers, self._observers = self._observers, None
+            settled, self._settled = self._settled, None
+        if settled is not None:
+            settled.set()
         if keep_alive:
             self._provider._background.stop(self)
         self._provider._lease_ended(self, lost=error is not None)
@@ -480,7 +522,9 @@ class DistributedLease:
         """Release on exit; see ``LeaseProvider.lock`` for how errors are reported."""
         if exc is not None:
             self._release_quietly()
-        elif self._state is _HELD:
+        elif self._state is _HELD or self._state is _LOST:
+            # A lost lease (keep-alive found it gone during the block) raises LeaseLost here:
+            # the block's work may overlap a newer holder's, and the caller must hear of it.
             self.release()
 
 

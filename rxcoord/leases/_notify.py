@@ -272,8 +272,10 @@ class Listener(ABC):
             sub = self._subs.get(name)
             if sub is None:
                 return
+            # ``confirmed`` stays as it is: a waiter arriving before the listener thread acts
+            # on this keeps the subscription, which then stays confirmed. It is cleared when
+            # the unsubscribe is actually sent (_take_changes).
             sub.wanted = False
-            sub.confirmed.clear()
         self._wake()
 
     def close(self) -> None:
@@ -318,6 +320,7 @@ class Listener(ABC):
                 elif not sub.wanted and sub.applied:
                     sub.applied = False
                     sub.inflight += 1
+                    sub.confirmed.clear()
                     unsubscribe.append(name)
                 elif not sub.wanted and not sub.inflight:
                     del self._subs[name]

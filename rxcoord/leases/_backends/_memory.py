@@ -136,10 +136,12 @@ class MemoryLeases(LeaseProvider):
     ) -> tuple[int, float]:
         return self.store.try_grant(name, at_most_for, at_least_for)
 
-    def _store_extend(self, name: str, token: int, at_most_for: float) -> bool:
-        return self.store.extend(name, token, at_most_for)
+    def _store_extend(
+        self, name: str, token: int, at_most_for: float, *, timeout: float | None = None
+    ) -> bool:
+        return self.store.extend(name, token, at_most_for)  # never blocks: no timeout needed
 
-    def _store_release(self, name: str, token: int) -> bool:
+    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
         return self.store.release(name, token)
 
     def _store_close(self) -> None:

@@ -19,10 +19,16 @@ client restarts and (committed with ``synchronous_commit=on``) server restarts a
 The server's ``clock_timestamp()`` decides expiry; clients only ever send durations.
 
 Connections come from a psycopg-pool; one more, owned by the listener thread, LISTENs on one
-channel per name being waited for (``rxl_`` + a hash of table and name: channel names are
-identifiers limited to 63 bytes). Before reusing an idle pooled connection its socket is
-checked for unexpected input (the server closing it on restart), which costs no round trip and
-spares the caller a spurious error right after the server comes back.
+channel per name being waited for (``rxl_`` + a hash of the table and the name: channel names
+are identifiers limited to 63 bytes). The table is the one the server resolved, schema and
+all, read once with the schema setup: providers that spell it differently (``leases``,
+``public.leases``) share it, so they must share its channels too. Before reusing an idle pooled
+connection its socket is checked for unexpected input (the server closing it on restart), which
+costs no round trip and spares the caller a spurious error right after the server comes back.
+
+No call waits for the server longer than ``timeout`` (see ``_pg_deadline``): a server that
+stops answering fails calls with ``LeaseStoreUnavailable``, and keep-alive renewals wait no
+longer than their lease has left.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import select
 import socket
 import threading
 from collections.abc import Callable
+from time import monotonic
 from typing import TYPE_CHECKING, Any, Final
 
 from rxcoord._errors import LeaseStoreUnavailable
@@ -48,15 +55,18 @@ if TYPE_CHECKING:
     import psycopg
     import psycopg_pool
 
+    from ._pg_deadline import DeadlineConnection
+
 __all__ = ["PostgresLeases"]
 
 _SCHEMA_LOCK: Final = 0x7278636F6F7264  # advisory lock key for table creation ("rxcoord")
 
 
-def channel_for(table: str, name: str) -> str:
-    """The LISTEN/NOTIFY channel for waiters of ``name`` in ``table``."""
-    digest = hashlib.blake2b(f"{table}\0{name}".encode(), digest_size=16).hexdigest()
-    return f"rxl_{digest}"
+def channel_for(table: tuple[str, str], name: str) -> str:
+    """The LISTEN/NOTIFY channel for waiters of ``name`` in ``table`` (schema, table name)."""
+    schema, relation = table
+    key = f"{schema}\0{relation}\0{name}"
+    return f"rxl_{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}"
 
 
 class PostgresLeases(LeaseProvider):
@@ -66,8 +76,9 @@ class PostgresLeases(LeaseProvider):
         conninfo: A libpq connection string or URL (``postgresql://user@host:5432/db``).
         table: Table name (identifier, optionally ``schema.table``); created if missing.
         min_size, max_size: Connection pool bounds.
-        timeout: Seconds to wait for a pooled connection (and to connect) before failing
-            with ``LeaseStoreUnavailable``.
+        timeout: Seconds one call may take (getting a pooled connection, connecting, and
+            waiting for the server's answer) before failing with ``LeaseStoreUnavailable``;
+            also the most ``close()`` waits for a server that does not answer.
         durable: Commit grants with ``synchronous_commit=on`` (default), so a token can never
             be handed out twice even if the server crashes. ``False`` (asynchronous commit)
             roughly doubles throughput, but a server crash may forget the last grants.
@@ -101,6 +112,8 @@ class PostgresLeases(LeaseProvider):
         pool_mod = require("psycopg_pool", "postgres")
         from psycopg import sql
 
+        from ._pg_deadline import DeadlineConnection, keepalive_kwargs
+
         self._psycopg = psycopg_mod
         self.table = table
         self.conninfo = conninfo
@@ -108,8 +121,11 @@ class PostgresLeases(LeaseProvider):
         self._holder = f"{socket.gethostname()}:{os.getpid()}"
         self._schema_ready = False
         self._schema_lock = threading.Lock()
+        self._resolved: tuple[str, str] | None = None  # (schema, table) as the server sees it
+        self._op_timeout = self._timeout
         connect_timeout = max(2, math.ceil(self._timeout))  # libpq's minimum is 2 seconds
         t = sql.Identifier(*parts)
+        self._table_literal = t.as_string(None)  # '"schema"."table"', for ::regclass
 
         def render(query: str) -> str:
             return sql.SQL(query).format(t=t).as_string(None)
@@ -145,15 +161,22 @@ class PostgresLeases(LeaseProvider):
             "SELECT pg_notify(%(channel)s, '') FROM released"
         )
 
-        def configure_connection(conn: psycopg.Connection[Any]) -> None:
+        def configure_connection(conn: DeadlineConnection) -> None:
+            conn.default_timeout = self._timeout
             if not durable:
                 conn.execute("SET synchronous_commit = off")
             if configure is not None:
                 configure(conn)
 
-        self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = pool_mod.ConnectionPool(
+        connect_kwargs = {
+            "autocommit": True,
+            "connect_timeout": connect_timeout,
+            **keepalive_kwargs(conninfo, self._timeout),
+        }
+        self._pool: psycopg_pool.ConnectionPool[DeadlineConnection] = pool_mod.ConnectionPool(
             conninfo,
-            kwargs={"autocommit": True, "connect_timeout": connect_timeout},
+            connection_class=DeadlineConnection,
+            kwargs=connect_kwargs,
             min_size=min_size,
             max_size=max_size,
             timeout=self._timeout,
@@ -168,7 +191,7 @@ class PostgresLeases(LeaseProvider):
             open=True,
         )
         self._listener = _PgListener(
-            lambda: self._hub, conninfo, connect_timeout, lambda name: channel_for(table, name)
+            lambda: self._hub, conninfo, connect_kwargs, self._timeout, self._channel
         )
         super().__init__(WaitHub(self._listener), poll=(0.01, 0.25))
 
@@ -186,43 +209,83 @@ class PostgresLeases(LeaseProvider):
             + " (the provider reconnects once the server is reachable again)"
         )
 
-    def _getconn(self) -> psycopg.Connection[Any]:
+    def _channel(self, name: str) -> str:
+        resolved = self._resolved
+        if resolved is None:  # not before the first call; the listener comes later
+            self._ensure_schema(monotonic() + self._timeout)
+            resolved = self._resolved
+            assert resolved is not None
+        return channel_for(resolved, name)
+
+    def _getconn(self, deadline: float) -> DeadlineConnection:
         # A few attempts: every idle connection may have been closed by a server restart.
         for _ in range(self._max_size + 1):
-            conn = self._pool.getconn()
+            conn = self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
             if not _has_unexpected_input(conn):
+                conn.deadline = deadline
                 return conn
             conn.close()  # the pool discards closed connections and opens a new one
             self._pool.putconn(conn)
-        return self._pool.getconn()
+        conn = self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
+        conn.deadline = deadline
+        return conn
 
-    def _ensure_schema(self) -> None:
-        with self._schema_lock:
+    def _putconn(self, conn: DeadlineConnection) -> None:
+        conn.deadline = None
+        self._pool.putconn(conn)
+
+    def _ensure_schema(self, deadline: float) -> None:
+        if not self._schema_lock.acquire(timeout=max(0.0, deadline - monotonic())):
+            raise self._unavailable(
+                TimeoutError("another thread is setting it up"), "set up the lease table"
+            )
+        try:
             if self._schema_ready:
                 return
-            conn = self._getconn()
             try:
-                with conn.transaction():
-                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-                    conn.execute(self._sql_create)
-            finally:
-                self._pool.putconn(conn)
+                conn = self._getconn(deadline)
+                try:
+                    with conn.transaction():
+                        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                        conn.execute(self._sql_create)
+                        row = conn.execute(
+                            "SELECT n.nspname, c.relname FROM pg_catalog.pg_class c "
+                            "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+                            "WHERE c.oid = %s::regclass",
+                            (self._table_literal,),
+                        ).fetchone()
+                finally:
+                    self._putconn(conn)
+            except self._psycopg.Error as exc:
+                raise self._unavailable(exc, "set up the lease table") from exc
+            assert row is not None
+            self._resolved = (str(row[0]), str(row[1]))
             self._schema_ready = True
+        finally:
+            self._schema_lock.release()
 
-    def _run(self, query: str, params: dict[str, object], action: str) -> tuple[Any, int]:
-        """Execute one statement; (first row or None, rowcount)."""
+    def _run(
+        self,
+        query: str,
+        params: dict[str, object],
+        action: str,
+        timeout: float | None = None,
+    ) -> tuple[Any, int]:
+        """Execute one statement within ``timeout`` (at most the provider's); (row, rowcount)."""
         errors = self._psycopg.Error
+        budget = self._timeout if timeout is None else min(timeout, self._timeout)
+        deadline = monotonic() + budget
         for attempt in (1, 2):
             try:
                 if not self._schema_ready:
-                    self._ensure_schema()
-                conn = self._getconn()
+                    self._ensure_schema(deadline)
+                conn = self._getconn(deadline)
                 try:
                     cursor = conn.execute(query, params, prepare=True)
                     row = cursor.fetchone() if cursor.description is not None else None
                     return row, cursor.rowcount
                 finally:
-                    self._pool.putconn(conn)
+                    self._putconn(conn)
             except self._psycopg.errors.UndefinedTable as exc:
                 # Dropped behind our back: nothing was executed, so recreating and retrying
                 # once is safe.
@@ -248,22 +311,30 @@ class PostgresLeases(LeaseProvider):
             return int(token), 0.0
         return 0, max(0.0, float(remaining or 0.0))
 
-    def _store_extend(self, name: str, token: int, at_most_for: float) -> bool:
+    def _store_extend(
+        self, name: str, token: int, at_most_for: float, *, timeout: float | None = None
+    ) -> bool:
         _, count = self._run(
-            self._sql_extend, {"name": name, "token": token, "most": at_most_for}, "extend a lease"
+            self._sql_extend,
+            {"name": name, "token": token, "most": at_most_for},
+            "extend a lease",
+            timeout,
         )
         return count == 1
 
-    def _store_release(self, name: str, token: int) -> bool:
+    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
         row, _ = self._run(
             self._sql_release,
-            {"name": name, "token": token, "channel": channel_for(self.table, name)},
+            {"name": name, "token": token, "channel": self._channel(name)},
             "release a lease",
+            timeout,
         )
         return row is not None
 
     def _store_close(self) -> None:
-        self._pool.close()
+        # Waits for the pool's worker, which may be connecting to a server that does not
+        # answer, at most this long.
+        self._pool.close(timeout=self._timeout)
 
 
 def _has_unexpected_input(conn: psycopg.Connection[Any]) -> bool:
@@ -282,22 +353,24 @@ class _PgListener(Listener):
         self,
         hub_ref: Callable[[], WaitHub | None],
         conninfo: str,
-        connect_timeout: int,
+        connect_kwargs: dict[str, Any],
+        timeout: float,
         channel_of: Callable[[str], str],
     ) -> None:
         super().__init__(hub_ref, "rxcoord-postgres-lease-listener")
         self._conninfo = conninfo
-        self._connect_timeout = connect_timeout
+        self._connect_kwargs = connect_kwargs
+        self._timeout = timeout
         self._channel_of = channel_of
         self._channels: dict[str, str] = {}  # channel -> name
-        self._conn: psycopg.Connection[Any] | None = None
+        self._conn: DeadlineConnection | None = None
 
     def _connect(self) -> None:
-        import psycopg
+        from ._pg_deadline import DeadlineConnection
 
-        self._conn = psycopg.connect(
-            self._conninfo, autocommit=True, connect_timeout=self._connect_timeout
-        )
+        conn = DeadlineConnection.connect(self._conninfo, **self._connect_kwargs)
+        conn.default_timeout = self._timeout  # LISTEN to a frozen server fails, then retries
+        self._conn = conn
 
     def _fileno(self) -> int:
         assert self._conn is not None

@@ -35,6 +35,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
+from time import monotonic
 from typing import TYPE_CHECKING, Any, Final
 
 from rxcoord._errors import LeaseStoreUnavailable
@@ -121,10 +122,11 @@ class RedisLeases(LeaseProvider):
         url: ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``).
         prefix: Prefix of every key and channel this provider uses.
         client: Take the connection settings (address, credentials, TLS, connection class)
-            from this redis-py client instead of ``url``. Its pool and retry policy are not
-            used, and ``close()`` leaves it open.
+            from this redis-py client instead of ``url``. Its pool, retry policy, socket
+            timeouts and ``decode_responses`` are not used, and ``close()`` leaves it open.
         timeout: Socket connect and read timeout in seconds: a hung server fails with
-            ``LeaseStoreUnavailable`` instead of blocking forever.
+            ``LeaseStoreUnavailable`` instead of blocking forever. Keep-alive renewals wait at
+            most as long as their lease has left, so a loss is reported by its expiry.
 
     Raises:
         ImportError: redis-py is missing (``pip install rxcoord[redis]``).
@@ -153,24 +155,30 @@ class RedisLeases(LeaseProvider):
         self.prefix = prefix
         if client is None:
             # Only a holder of connection settings: connections are made by _Connections.
-            pool = redis_mod.ConnectionPool.from_url(
-                url,
-                socket_timeout=seconds,
-                socket_connect_timeout=seconds,
-                retry=Retry(NoBackoff(), 0),
-                health_check_interval=0,
-            )
+            pool = redis_mod.ConnectionPool.from_url(url)
             self.url = url
         else:
             pool = client.connection_pool
             self.url = repr(client)
         connection_class: Callable[..., Any] = pool.connection_class
-        settings = dict(pool.connection_kwargs)
+        settings = {
+            **pool.connection_kwargs,
+            "socket_timeout": seconds,
+            "socket_connect_timeout": seconds,
+            "retry": Retry(NoBackoff(), 0),  # see the module docstring: retries would be wrong
+            "health_check_interval": 0,
+            # Replies are compared as bytes (pub/sub kinds and channels); a client configured
+            # with decode_responses=True would turn them into str that never match.
+            "decode_responses": False,
+        }
+        self._op_timeout = seconds
 
         def connect() -> Any:
             return connection_class(**settings)
 
-        self._connections = _Connections(connect, redis_mod.ResponseError, redis_mod.RedisError)
+        self._connections = _Connections(
+            connect, redis_mod.ResponseError, redis_mod.RedisError, seconds
+        )
 
         def connect_listener() -> Any:
             return connection_class(**{**settings, "protocol": 2})  # pub/sub replies as arrays
@@ -187,15 +195,31 @@ class RedisLeases(LeaseProvider):
     def _channel(self, name: str) -> str:
         return f"{self.prefix}{{{name}}}:released"
 
-    def _eval(self, script: str, sha: str, numkeys: int, *args: object, action: str) -> Any:
-        execute = self._connections.call
+    def _eval(
+        self,
+        script: str,
+        sha: str,
+        numkeys: int,
+        *args: object,
+        action: str,
+        timeout: float | None = None,
+    ) -> Any:
+        connections = self._connections
         try:
+            if timeout is None:
+                try:
+                    return connections.call("EVALSHA", sha, numkeys, *args)
+                except self._no_script:
+                    # The server lost its script cache (restart, SCRIPT FLUSH): EVAL runs and
+                    # caches it again. Safe to repeat: EVALSHA did not run anything.
+                    return connections.call("EVAL", script, numkeys, *args)
+            deadline = monotonic() + timeout
             try:
-                return execute("EVALSHA", sha, numkeys, *args)
+                return connections.call_within(timeout, "EVALSHA", sha, numkeys, *args)
             except self._no_script:
-                # The server lost its script cache (restart, SCRIPT FLUSH): EVAL runs and
-                # caches it again. Safe to repeat: EVALSHA did not run anything.
-                return execute("EVAL", script, numkeys, *args)
+                return connections.call_within(
+                    deadline - monotonic(), "EVAL", script, numkeys, *args
+                )
         except self._errors as exc:
             raise LeaseStoreUnavailable(
                 f"Redis lease store failed to {action}: {type(exc).__name__}: {exc} "
@@ -223,19 +247,35 @@ class RedisLeases(LeaseProvider):
             return value, 0.0
         return 0, (-value - 1) / 1000.0
 
-    def _store_extend(self, name: str, token: int, at_most_for: float) -> bool:
+    def _store_extend(
+        self, name: str, token: int, at_most_for: float, *, timeout: float | None = None
+    ) -> bool:
         key = f"{self.prefix}{{{name}}}"
         return bool(
             self._eval(
-                _EXTEND, _EXTEND_SHA, 1, key, token, _ms(at_most_for), action="extend a lease"
+                _EXTEND,
+                _EXTEND_SHA,
+                1,
+                key,
+                token,
+                _ms(at_most_for),
+                action="extend a lease",
+                timeout=timeout,
             )
         )
 
-    def _store_release(self, name: str, token: int) -> bool:
+    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
         key = f"{self.prefix}{{{name}}}"
         return bool(
             self._eval(
-                _RELEASE, _RELEASE_SHA, 1, key, token, key + ":released", action="release a lease"
+                _RELEASE,
+                _RELEASE_SHA,
+                1,
+                key,
+                token,
+                key + ":released",
+                action="release a lease",
+                timeout=timeout,
             )
         )
 
@@ -256,17 +296,19 @@ class _Connections:
     it is reconnected, as redis-py's own pool does.
     """
 
-    __slots__ = ("_closed", "_connect", "_errors", "_idle", "_response_error")
+    __slots__ = ("_closed", "_connect", "_errors", "_idle", "_response_error", "_timeout")
 
     def __init__(
         self,
         connect: Callable[[], Any],
         response_error: type[Exception],
         errors: type[Exception],
+        timeout: float,
     ) -> None:
         self._connect = connect
         self._response_error = response_error
         self._errors = errors
+        self._timeout = timeout  # every connection's socket timeout
         self._idle: deque[Any] = deque()
         self._closed = False
 
@@ -284,6 +326,57 @@ class _Connections:
             raise
         self._checkin(conn)
         return reply
+
+    def call_within(self, timeout: float, *args: object) -> Any:
+        """:meth:`call`, waiting at most ``timeout`` seconds (when shorter than the socket's).
+
+        Raises:
+            redis.TimeoutError: No reply in time (the connection is discarded).
+        """
+        if timeout >= self._timeout:
+            return self.call(*args)
+        cap = max(0.001, timeout)
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            conn = None
+        fresh = True
+        if conn is not None:
+            try:
+                conn.connect()  # no-op when connected
+                fresh = bool(conn.can_read())  # unexpected input: the server closed it
+            except (self._errors, OSError):
+                pass
+            if fresh:
+                conn.disconnect()
+            else:
+                conn._sock.settimeout(cap)  # redis-py has no per-call read timeout
+        if fresh:
+            # Connecting (and the handshake) within the cap too. Its parser remembers the short
+            # timeout, so this connection is closed afterwards, not pooled.
+            conn = self._connect()
+            conn.socket_timeout = cap
+            conn.socket_connect_timeout = cap
+        try:
+            if fresh:
+                conn.connect()
+            conn.send_command(*args, check_health=False)
+            reply = conn.read_response()
+        except self._response_error:
+            self._checkin_capped(conn, fresh)
+            raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        self._checkin_capped(conn, fresh)
+        return reply
+
+    def _checkin_capped(self, conn: Any, fresh: bool) -> None:
+        if fresh:
+            conn.disconnect()
+            return
+        conn._sock.settimeout(self._timeout)
+        self._checkin(conn)
 
     def _checkout(self) -> Any:
         try:

@@ -20,6 +20,7 @@ import os
 import socket
 import sqlite3
 import threading
+from collections.abc import Iterator
 from contextlib import suppress
 from typing import Final
 
@@ -117,6 +118,41 @@ class SqliteLeases(LeaseProvider):
             self._conn = conn
         return conn
 
+    @contextlib.contextmanager
+    def _locked(self, timeout: float | None, action: str) -> Iterator[sqlite3.Connection]:
+        """The connection, for this thread alone; waits for locks at most ``timeout`` seconds.
+
+        ``timeout`` (keep-alive passes the time its lease has left) caps both the wait for
+        another thread of this provider and SQLite's busy wait for another process's write
+        lock, when it is shorter than the provider's own ``timeout``.
+        """
+        if timeout is None or timeout >= self._timeout:
+            with self._conn_lock:
+                try:
+                    conn = self._connection()
+                except sqlite3.Error as exc:
+                    raise self._fail(exc, action) from exc
+                yield conn
+            return
+        if not self._conn_lock.acquire(timeout=max(0.0, timeout)):
+            raise LeaseStoreUnavailable(
+                f"SQLite lease store {self.path!r} failed to {action}: another call of this "
+                f"provider held the connection for more than {timeout:.3f}s"
+            )
+        try:
+            try:
+                conn = self._connection()
+                conn.execute(f"PRAGMA busy_timeout = {max(0, int(timeout * 1000))}")
+            except sqlite3.Error as exc:
+                raise self._fail(exc, action) from exc
+            try:
+                yield conn
+            finally:
+                with suppress(sqlite3.Error):
+                    conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
+        finally:
+            self._conn_lock.release()
+
     def _fail(self, exc: sqlite3.Error, action: str) -> LeaseStoreUnavailable:
         message = str(exc)
         if "locked" not in message and "busy" not in message:
@@ -147,18 +183,20 @@ class SqliteLeases(LeaseProvider):
                 raise self._fail(exc, "grant a lease") from exc
         return 0, max(0.0, float(row[0])) if row else 0.0
 
-    def _store_extend(self, name: str, token: int, at_most_for: float) -> bool:
-        with self._conn_lock:
+    def _store_extend(
+        self, name: str, token: int, at_most_for: float, *, timeout: float | None = None
+    ) -> bool:
+        with self._locked(timeout, "extend a lease") as conn:
             try:
-                cursor = self._connection().execute(self._sql_extend, (name, token, at_most_for))
+                cursor = conn.execute(self._sql_extend, (name, token, at_most_for))
             except sqlite3.Error as exc:
                 raise self._fail(exc, "extend a lease") from exc
         return cursor.rowcount == 1
 
-    def _store_release(self, name: str, token: int) -> bool:
-        with self._conn_lock:
+    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
+        with self._locked(timeout, "release a lease") as conn:
             try:
-                cursor = self._connection().execute(self._sql_release, (name, token))
+                cursor = conn.execute(self._sql_release, (name, token))
             except sqlite3.Error as exc:
                 raise self._fail(exc, "release a lease") from exc
         if cursor.rowcount == 1:

@@ -1,0 +1,169 @@
+"""PostgreSQL connections on which no statement waits longer than its deadline.
+
+psycopg waits for the server without a time limit: the provider's ``timeout`` bounds getting a
+pooled connection and connecting, but a statement sent to a server that then freezes (a
+``SIGSTOP``, a VM paused, a network partition that drops packets without resetting the
+connection) would wait forever, and so would every caller behind it, keep-alive and
+``close()``. TCP does not help quickly: the kernel keeps retransmitting for minutes.
+
+:class:`DeadlineConnection` replaces psycopg's wait loop (the one place every statement
+blocks) with one that gives up at a deadline: the provider's ``timeout`` by default, or a
+shorter one per call (keep-alive passes the time its lease has left). On expiry the connection
+is closed (the pool then discards it), the server is asked to cancel the statement (in the
+background, so a frozen server cannot block the caller through the cancellation either) and
+the caller gets :class:`StatementTimeout`, which the provider reports as
+``LeaseStoreUnavailable``.
+
+libpq's TCP keepalives and ``tcp_user_timeout`` (see :func:`keepalive_kwargs`) complement it:
+they let the kernel notice a dead peer on idle connections too, such as the listener's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import select
+import threading
+from time import monotonic
+from typing import Any, Final
+
+import psycopg
+from psycopg import pq
+from psycopg.abc import PQGen
+from psycopg.conninfo import conninfo_to_dict
+
+__all__ = ["DeadlineConnection", "StatementTimeout", "keepalive_kwargs"]
+
+# psycopg's generator protocol: it yields what it waits for (R=1, W=2, RW=3) and is sent what
+# is ready (R=1, W=2), the values of selectors.EVENT_READ / EVENT_WRITE in every psycopg 3.
+_EVENTS: Final = {1: select.POLLIN, 2: select.POLLOUT, 3: select.POLLIN | select.POLLOUT}
+_READY_R: Final = 1
+_READY_W: Final = 2
+_BAD: Final = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+class StatementTimeout(psycopg.OperationalError):
+    """The server did not answer in time; the connection was closed."""
+
+
+class _Expired(Exception):
+    pass
+
+
+class DeadlineConnection(psycopg.Connection[Any]):
+    """A psycopg connection whose statements give up at a deadline (see the module docstring).
+
+    Attributes:
+        deadline: ``time.monotonic()`` value at which the current call gives up; None: each
+            wait may take ``default_timeout`` seconds.
+        default_timeout: Seconds a wait may take when no deadline is set.
+    """
+
+    deadline: float | None = None
+    default_timeout: float = 5.0
+
+    def wait(self, gen: PQGen[Any], *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            # psycopg's own bounded waits (notifies(timeout=...)) keep psycopg's loop.
+            return super().wait(gen, *args, **kwargs)
+        deadline = self.deadline
+        if deadline is None:
+            deadline = monotonic() + self.default_timeout
+        try:
+            return _wait(gen, self.pgconn.socket, deadline)
+        except _Expired:
+            self._abandon()
+            raise StatementTimeout(
+                "PostgreSQL did not answer in time (server frozen, overloaded or unreachable); "
+                "the connection was closed"
+            ) from None
+
+    def _abandon(self) -> None:
+        """Close the connection; ask the server (in the background) to cancel the statement."""
+        cancel = None
+        if self.pgconn.transaction_status == pq.TransactionStatus.ACTIVE and _has_cancel_conn():
+            try:
+                cancel = self.pgconn.cancel_conn()
+                cancel.start()
+            except psycopg.Error:
+                cancel = None
+        self.close()
+        if cancel is not None:
+            # A grant still queued on the server (behind a row lock, say) would otherwise
+            # commit later and block the name until it expires, granted to nobody.
+            threading.Thread(
+                target=_finish_cancel,
+                args=(cancel, monotonic() + self.default_timeout),
+                name="rxcoord-postgres-cancel",
+                daemon=True,
+            ).start()
+
+
+def keepalive_kwargs(conninfo: str, timeout: float) -> dict[str, Any]:
+    """libpq settings that let the kernel drop a connection to a dead peer within ~``timeout``.
+
+    Settings given in ``conninfo`` win.
+    """
+    try:
+        given = conninfo_to_dict(conninfo) if conninfo else {}
+    except psycopg.Error:
+        given = {}  # the connection attempt reports it
+    wanted = {
+        "keepalives": 1,
+        "keepalives_idle": max(1, math.ceil(timeout)),
+        "keepalives_interval": max(1, math.ceil(timeout / 3)),
+        "keepalives_count": 3,
+        "tcp_user_timeout": max(1000, math.ceil(timeout * 1000)),  # milliseconds
+    }
+    return {key: value for key, value in wanted.items() if key not in given}
+
+
+def _wait(gen: PQGen[Any], fileno: int, deadline: float) -> Any:
+    """Drive a psycopg generator on ``fileno`` until it returns or ``deadline`` passes."""
+    try:
+        waiting = next(gen)
+        poller = select.poll()
+        poller.register(fileno, _EVENTS[waiting])
+        while True:
+            left = deadline - monotonic()
+            if left <= 0:
+                raise _Expired
+            events = poller.poll(math.ceil(left * 1000))
+            if not events:
+                continue
+            mask = events[0][1]
+            ready = (_READY_R if mask & select.POLLIN else 0) | (
+                _READY_W if mask & select.POLLOUT else 0
+            )
+            if not ready:
+                raise psycopg.OperationalError("connection socket closed")
+            waiting = gen.send(ready)
+            poller.modify(fileno, _EVENTS[waiting])
+    except StopIteration as stop:
+        return stop.value
+
+
+def _has_cancel_conn() -> bool:
+    capabilities = getattr(psycopg, "capabilities", None)  # psycopg >= 3.2
+    return capabilities is not None and bool(capabilities.has_cancel_safe())
+
+
+def _finish_cancel(cancel: pq.abc.PGcancelConn, deadline: float) -> None:
+    """Drive libpq's non-blocking cancellation until done, failed, or ``deadline``."""
+    try:
+        while True:
+            status = cancel.poll()
+            if status != pq.PollingStatus.READING and status != pq.PollingStatus.WRITING:
+                return  # OK, FAILED: nothing more to do
+            left = deadline - monotonic()
+            if left <= 0:
+                return
+            poller = select.poll()
+            mask = select.POLLIN if status == pq.PollingStatus.READING else select.POLLOUT
+            poller.register(cancel.socket, mask)
+            poller.poll(math.ceil(left * 1000))
+    except psycopg.Error:
+        pass
+    finally:
+        with contextlib.suppress(psycopg.Error):
+            cancel.finish()
