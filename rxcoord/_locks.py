@@ -50,7 +50,8 @@ A ``_Segment`` counts its present non-global requests; its ``barrier`` is the gl
 closes it. Only the first segment (``_first``) is free of earlier global requests, so:
 
 * a non-global request is granted when ``_waiting == 0`` *and* its segment is ``_first``; when
-  ``_waiting`` reaches zero in a later segment, it parks in that segment's ``ready`` list;
+  ``_waiting`` reaches zero in a later segment, it parks in that segment's ``ready`` set (and
+  leaves it if withdrawn);
 * the first global request ``_first.barrier`` is granted when ``_first.count == 0``;
 * releasing it makes the next segment first and grants its ``ready`` requests (and the next
   global request, if that segment is empty);
@@ -78,19 +79,30 @@ Grants are decided under the lock and *delivered* after it is released, by the t
 caused them (the releasing, withdrawing or disposing thread): a blocking ``hold`` waiter's own
 ``threading.Lock`` is released, an asyncio waiter's future is resolved through
 ``call_soon_threadsafe``, and an ``acquire`` subscriber gets ``on_next(lease)`` - on the given
-scheduler if there is one. Deliveries to subscribers go through a per-thread trampoline, so a
-chain of "release -> next subscriber runs -> releases -> ..." is a loop, not a recursion.
+scheduler if there is one, on its event loop's thread if it subscribed on one (``await``).
+Deliveries to subscribers go through a per-thread trampoline, so a chain of "release -> next
+subscriber runs -> releases -> ..." is a loop, not a recursion. If a delivery raises a
+``BaseException`` (``KeyboardInterrupt``), the other grants of the same release are still
+delivered (on the grant workers) before it propagates.
+
 Timeouts of ``acquire`` subscriptions fire on rxcoord's shared timer thread, which only withdraws
-the request; the ``LockTimeout`` and any grants it unblocks are handed to a small worker pool so
-user code never runs on the timer thread.
+the request. The ``LockTimeout`` goes to rxcoord's shared delivery workers (``_pool.hand_off``);
+the grants the withdrawal unblocks go to KeyedLocks' own grant workers, because their
+subscribers' work (``on_next``, ``run``'s ``fn``) runs as long as it likes and must not delay
+the process's other timeouts.
 
 A lease granted to a subscription that was disposed before it could be delivered is released by
-KeyedLocks. If disposal races with delivery, the lease is either released or handed to the
-subscriber's ``on_next`` - never dropped: the ``AutoDetachObserver`` that reactivex wraps every
-observer in would silently drop an ``on_next`` after ``dispose`` began, so delivery calls the
-wrapped callback directly. (Rx operators placed between ``acquire`` and the subscriber, such as
-``timeout`` or ``take_until``, may still drop an item on disposal, as they do with any item:
-use the ``timeout=`` argument rather than ``ops.timeout``.)
+KeyedLocks - by ``dispose()`` itself, since a scheduler may never run the delivery. If disposal
+races with delivery, the lease is either released or handed to the subscriber's ``on_next`` -
+never dropped, never both (the two decide under the mutex): the ``AutoDetachObserver`` that
+reactivex wraps every observer in would silently drop an ``on_next`` after ``dispose`` began,
+so delivery calls the wrapped callback directly. (Rx operators placed between ``acquire`` and
+the subscriber, such as ``timeout`` or ``take_until``, may still drop an item on disposal, as
+they do with any item: use the ``timeout=`` argument rather than ``ops.timeout``.) A delivery
+the scheduler refuses (``schedule()`` raises) releases the lease and errors the subscriber.
+
+``run`` releases its lease only when the work has really ended: disposal asks a future or task
+to stop, and its done-callback releases the lease once it has (see ``_RunSink``).
 """
 
 from __future__ import annotations
@@ -101,7 +113,7 @@ import inspect
 import math
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeAlias, TypeVar, overload
@@ -110,9 +122,10 @@ from loguru import logger
 from reactivex import Observable, abc
 from reactivex.disposable import Disposable, SingleAssignmentDisposable
 from reactivex.observer.autodetachobserver import AutoDetachObserver
+from reactivex.scheduler.eventloop import AsyncIOScheduler
 
 from ._errors import LeaseReleasedError, LockTimeout
-from ._pool import hand_off
+from ._pool import WorkerPool, hand_off
 from ._timer import TimerHandle, call_later
 
 __all__ = ["KeyedLocks", "KeyedLocksStats", "Lease"]
@@ -143,8 +156,10 @@ class _Segment:
         self.barrier: Lease | None = None  # the global request that closes the segment
         self.merged: _Segment | None = None  # absorbed into this earlier segment
         # Pending requests at the head of all their keys' queues, held back only by an earlier
-        # global request; granted when this segment becomes the first.
-        self.ready: list[Lease] | None = None
+        # global request; granted when this segment becomes the first. A dict used as an
+        # insertion-ordered set: a request withdrawn meanwhile leaves it at once (O(1)), so a
+        # long-held global barrier cannot accumulate withdrawn requests.
+        self.ready: dict[Lease, None] | None = None
 
 
 def _resolve(lease: Lease) -> _Segment:
@@ -173,6 +188,7 @@ class Lease:
 
     __slots__ = (
         "_before",
+        "_entered",
         "_key",
         "_keys",
         "_notify",
@@ -194,6 +210,11 @@ class Lease:
     _before: _Segment  # global only: the segment it closes
     _notify: Callable[[], None] | None  # how a pending request is told it was granted
     _timeout: float | None  # hold* only: how long __enter__ waits
+    # A ``with`` block owns the lease: hold* leases from the start (entering one is what
+    # requests it), granted leases (acquire*, hold*_async) once entered. A second entry is a
+    # lease shared as if it were a lock: refused loudly instead of letting two users in.
+    # (Left unset by hold(), meaning True; read only on the cold path.)
+    _entered: bool
 
     def __init__(self, owner: KeyedLocks, keys: tuple[Hashable, ...]) -> None:
         self._owner = owner
@@ -201,6 +222,7 @@ class Lease:
         self._key = keys[0] if len(keys) == 1 else _MANY
         self._state = _NEW
         self._timeout = None
+        self._entered = False
 
     @property
     def keys(self) -> frozenset[Hashable]:
@@ -234,9 +256,13 @@ class Lease:
     def __enter__(self) -> Lease:
         """Wait for a lease from ``hold*`` (blocking); a granted lease is returned as is.
 
+        A lease is entered once: it is a token, not a lock object to share. Each ``with``
+        block (each thread, each use) needs its own ``hold()`` call.
+
         Raises:
             LockTimeout: Not granted within the ``timeout`` given to ``hold*``.
             LeaseReleasedError: The lease was released already (a lease is entered once).
+            RuntimeError: The lease is already entered (by this or another thread).
         """
         state = self._state
         if state == _NEW:
@@ -245,13 +271,14 @@ class Lease:
             if key is not _MANY:
                 # The hot path the benchmark measures, inlined: a free key and no global
                 # request is one dict insert under the mutex. (Explicit acquire/release: a
-                # ``with`` block on a lock costs twice as much in CPython 3.11.)
+                # ``with`` block on a lock costs twice as much in CPython 3.11.) The key being
+                # absent also proves that no other thread entered this lease meanwhile.
                 mutex = locks._mutex
                 mutex.acquire()
                 try:
                     queues = locks._queues
                     seg = locks._tail
-                    if key not in queues and seg is locks._first:
+                    if key not in queues and seg is locks._first and self._state == _NEW:
                         queues[key] = self
                         seg.count += 1
                         self._segment = seg
@@ -261,8 +288,14 @@ class Lease:
                     mutex.release()
             return locks._acquire_blocking(self, self._timeout)
         if state == _HELD:
-            return self
-        raise LeaseReleasedError(f"{self!r} was already released; call hold() again")
+            with self._owner._mutex:
+                entered = getattr(self, "_entered", True)  # unset on hold() leases: True
+                self._entered = True
+            if not entered:
+                return self  # a lease granted by acquire*/hold*_async, entered the first time
+        elif state == _DONE:
+            raise LeaseReleasedError(f"{self!r} was already released; call hold() again")
+        raise _entered_twice(self, "hold()")
 
     def __exit__(
         self,
@@ -364,6 +397,18 @@ def _timeout_error(lease: Lease, timeout: float) -> LockTimeout:
     )
 
 
+def _entered_twice(lease: Lease, call: str) -> RuntimeError:
+    example = (
+        "'async with locks.hold_async(key):' in each task"
+        if call == "hold_async()"
+        else "'with locks.hold(key):' in each thread"
+    )
+    return RuntimeError(
+        f"{lease!r} is already entered: a lease is one use, not a lock to share between "
+        f"threads or tasks; call {call} per use (e.g. {example})"
+    )
+
+
 def _timed_out(lease: Lease, timeout: float) -> LockTimeout:
     """The error for a wait that expired, logged (at INFO, like the coordinator's timeouts)."""
     error = _timeout_error(lease, timeout)
@@ -459,8 +504,11 @@ class KeyedLocks:
         releases another lease) are delivered right after that ``on_next`` returns, so a chain
         of hand-overs is a loop, not a recursion. Hence ``on_next`` must not block waiting for
         another ``acquire`` subscriber that the same release would serve; pass a
-        ``scheduler`` if handlers block. In asyncio use :meth:`hold_async` rather than
-        awaiting this Observable (reactivex would resolve the future from a foreign thread).
+        ``scheduler`` if handlers block. Subscribed on a running asyncio loop (``await
+        locks.acquire(key)``, or ``subscribe`` in a coroutine) and without ``scheduler``, the
+        lease is delivered on that loop's thread; :meth:`hold_async` is the simpler form.
+        If the scheduler refuses the delivery (``schedule()`` raises: it was disposed), the
+        lease is released and the error goes to ``on_error``.
 
         Args:
             key: Any hashable value.
@@ -561,6 +609,8 @@ class KeyedLocks:
         lease._keys = (key,)
         lease._key = key
         lease._state = _NEW
+        # _entered is left unset (read as True: entering it is the request, there is no second
+        # entry) - one store less on the hot path.
         lease._timeout = timeout if timeout is None else _check_timeout(timeout)
         return lease
 
@@ -575,6 +625,7 @@ class KeyedLocks:
             LockTimeout: (from ``__enter__``) not granted within ``timeout``.
         """
         lease = Lease(self, _check_keys(keys))
+        lease._entered = True
         lease._timeout = _check_timeout(timeout)
         return lease
 
@@ -587,6 +638,7 @@ class KeyedLocks:
             LockTimeout: (from ``__enter__``) not granted within ``timeout``.
         """
         lease = Lease(self, ())
+        lease._entered = True
         lease._timeout = _check_timeout(timeout)
         return lease
 
@@ -680,7 +732,12 @@ class KeyedLocks:
 
         An exception from ``fn`` releases the lease and becomes ``on_error``. Disposing the
         subscription withdraws a waiting request, or disposes/cancels ``fn``'s work and
-        releases the lease.
+        releases the lease once that work has ended: a running executor job that refuses
+        ``cancel()``, or a cancelled coroutine running its cleanup, keeps the lease until it
+        finishes (exclusion holds for as long as the work runs).
+
+        Subscribed on a running asyncio loop (``await locks.run(...)``), the notifications
+        reach the subscriber on the loop's thread, whichever thread granted the lease.
 
         Args:
             key: Any hashable value.
@@ -888,9 +945,9 @@ class KeyedLocks:
     @staticmethod
     def _park(seg: _Segment, lease: Lease) -> None:
         if seg.ready is None:
-            seg.ready = [lease]
+            seg.ready = {lease: None}
         else:
-            seg.ready.append(lease)
+            seg.ready[lease] = None
 
     def _grant(self, lease: Lease, granted: list[Lease] | None) -> list[Lease]:
         lease._state = _HELD
@@ -932,6 +989,13 @@ class KeyedLocks:
         """Take a released or withdrawn non-global request out; return what that grants."""
         granted: list[Lease] | None = None
         queues = self._queues
+        seg = _resolve(lease)
+        if lease._state == _PENDING and not lease._waiting:
+            # Withdrawn while parked behind a global request: leave the ready set now rather
+            # than when the segment becomes first, which may be never (memory, not just time).
+            ready = seg.ready
+            assert ready is not None
+            del ready[lease]
         for key in lease._keys:
             entry = queues[key]
             if entry is lease:
@@ -946,7 +1010,7 @@ class KeyedLocks:
                     del queues[key]
             else:  # only a pending request can be behind others
                 entry.remove(lease)
-        return self._segment_left(_resolve(lease), granted)
+        return self._segment_left(seg, granted)
 
     def _remove_global(self, lease: Lease) -> list[Lease] | None:
         """Take a released or withdrawn global request out; return what that grants."""
@@ -971,7 +1035,7 @@ class KeyedLocks:
                     if before.ready is None:
                         before.ready = ready
                     else:
-                        before.ready.extend(ready)
+                        before.ready.update(ready)  # after's requests come later: order kept
                 return None
             # The first segment has no parked requests (they are granted at once), so the
             # merged segment's are exactly those that were held back by ``lease``.
@@ -980,9 +1044,8 @@ class KeyedLocks:
         granted: list[Lease] | None = None
         ready, first.ready = first.ready, None
         if ready:
-            for waiter in ready:
-                if waiter._state == _PENDING:  # parked requests may have been withdrawn since
-                    granted = self._grant(waiter, granted)
+            for waiter in ready:  # all pending: a withdrawn request leaves the set
+                granted = self._grant(waiter, granted)
         if not first.count and first.barrier is not None:
             granted = self._grant(first.barrier, granted)
         return granted
@@ -1026,7 +1089,14 @@ class KeyedLocks:
         """Withdraw a pending request (mutex held); return what that grants."""
         granted = self._remove(lease) if lease._keys else self._remove_global(lease)
         lease._state = _DONE
+        lease._notify = None  # drop the waiter (and the subscriber it reaches) with the request
         self._pending -= 1
+        return granted
+
+    def _take_back(self, lease: Lease) -> list[Lease] | None:
+        """Release a held lease (mutex held); return what that grants."""
+        granted = self._remove(lease) if lease._keys else self._remove_global(lease)
+        lease._state = _DONE
         return granted
 
     def _abandon(self, lease: Lease) -> None:
@@ -1048,8 +1118,11 @@ class KeyedLocks:
         mutex = self._mutex
         mutex.acquire()
         try:
-            busy = timeout == 0 and not self._can_grant_now(lease)
-            if busy:
+            shared = lease._state != _NEW  # another thread entered this very lease first
+            busy = not shared and timeout == 0 and not self._can_grant_now(lease)
+            if shared:
+                pass
+            elif busy:
                 lease._state = _DONE
             elif self._enqueue(lease):
                 return lease
@@ -1061,6 +1134,10 @@ class KeyedLocks:
                 lease._notify = waiter.release
         finally:
             mutex.release()
+        if shared:
+            if lease._state == _DONE:
+                raise LeaseReleasedError(f"{lease!r} was already released; call hold() again")
+            raise _entered_twice(lease, "hold()")
         if busy:
             raise _timeout_error(lease, 0)
         try:
@@ -1123,12 +1200,15 @@ class KeyedLocks:
         scheduler: abc.SchedulerBase | None,
     ) -> Observable[Lease]:
         def subscribe(
-            observer: abc.ObserverBase[Lease], _: abc.SchedulerBase | None = None
+            observer: abc.ObserverBase[Lease], default: abc.SchedulerBase | None = None
         ) -> abc.DisposableBase:
-            # The subscribe-time default scheduler is deliberately not used for delivery: it is
-            # often loop-bound (AsyncIOScheduler via ``await``) and grants come from any thread.
+            # Grants come from any thread. A subscriber on an asyncio loop (``await``, or
+            # subscribed in a coroutine) gets the lease on its loop's thread, through
+            # call_soon_threadsafe: the subscribe-time scheduler itself (an AsyncIOScheduler)
+            # is not thread-safe. An explicit ``scheduler=`` takes precedence.
+            loop = None if scheduler is not None else _subscriber_loop(default)
             acquisition = _Acquisition(
-                Lease(self, keys), _ObserverTarget(observer), scheduler, timeout
+                Lease(self, keys), _ObserverTarget(observer), scheduler, timeout, loop
             )
             return acquisition.start()
 
@@ -1142,12 +1222,13 @@ class KeyedLocks:
         scheduler: abc.SchedulerBase | None,
     ) -> Observable[Any]:
         def subscribe(
-            observer: abc.ObserverBase[Any], _: abc.SchedulerBase | None = None
+            observer: abc.ObserverBase[Any], default: abc.SchedulerBase | None = None
         ) -> abc.DisposableBase:
-            try:
-                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            except RuntimeError:
-                loop = None
+            # On an asyncio loop, coroutines run there and every notification is passed on
+            # from its thread (``fn`` itself still runs on the granting thread or scheduler).
+            loop = _subscriber_loop(default)
+            if loop is not None:
+                observer = _LoopObserver(observer, loop)
             sink = _RunSink(self, fn, observer, loop)
             acquisition = _Acquisition(Lease(self, keys), sink, scheduler, timeout)
             sink.acquisition = acquisition
@@ -1161,12 +1242,25 @@ class KeyedLocks:
 
 
 def _notify(granted: list[Lease]) -> None:
-    """Tell each newly granted request (outside the mutex)."""
-    for lease in granted:
-        notify = lease._notify
-        if notify is not None:
-            lease._notify = None
-            notify()
+    """Tell each newly granted request (outside the mutex).
+
+    The grants are already made: each one must be told, or its lease stays held with nobody
+    to release it. If telling one raises (a ``KeyboardInterrupt`` or ``SystemExit`` escaping a
+    subscriber), the rest are handed to the grant workers before the exception propagates.
+    """
+    told = 0
+    try:
+        for lease in granted:
+            told += 1
+            notify = lease._notify
+            if notify is not None:
+                lease._notify = None
+                notify()
+    except BaseException:
+        rest = granted[told:]
+        if rest:
+            _grant_off(lambda: _notify(rest))
+        raise
 
 
 class _AsyncHold:
@@ -1186,9 +1280,22 @@ class _AsyncHold:
         self._lease: Lease | None = None
 
     async def __aenter__(self) -> Lease:
+        """Wait for the lease.
+
+        Raises:
+            LockTimeout: Not granted within ``timeout``.
+            RuntimeError: This context manager is already entered (it holds one lease at a
+                time: call ``hold_async()`` per use, e.g. in each task).
+        """
+        if self._lease is not None:
+            raise _entered_twice(self._lease, "hold_async()")
         lease = Lease(self._locks, self._keys)
         self._lease = lease
-        return await self._locks._acquire_async(lease, self._timeout)
+        try:
+            return await self._locks._acquire_async(lease, self._timeout)
+        except BaseException:
+            self._lease = None  # not granted (or released by the cancellation): nothing to exit
+            raise
 
     async def __aexit__(
         self,
@@ -1269,6 +1376,9 @@ class _ObserverTarget(_Target):
                 logger.debug("rxcoord: released {} because on_next raised", lease)
             self._observer.on_error(exc)
             return
+        except BaseException:  # interrupted (KeyboardInterrupt...): same reasoning, no on_error
+            lease._owner._release_if_held(lease)
+            raise
         self._observer.on_completed()
 
     def on_error(self, error: Exception) -> None:
@@ -1285,9 +1395,26 @@ _trampoline = _Trampoline()
 
 
 class _Acquisition:
-    """One subscription to ``acquire*`` (or ``run*``): its request, timer and delivery."""
+    """One subscription to ``acquire*`` (or ``run*``): its request, timer and delivery.
 
-    __slots__ = ("disposed", "lease", "scheduler", "target", "timeout", "timer")
+    Delivery goes to ``scheduler`` if one was given, else to ``loop`` (the asyncio loop the
+    subscriber waits on, from another thread) or straight to the target. ``delivered`` and
+    ``disposed`` are set under the mutex: until the lease has reached the target, disposal
+    takes it back - whatever the scheduler does with the delivery (a disposed
+    ``EventLoopScheduler`` or a closed loop drops it silently) - and a delivery that runs after
+    the disposal releases it instead. Exactly one of the two happens.
+    """
+
+    __slots__ = (
+        "delivered",
+        "disposed",
+        "lease",
+        "loop",
+        "scheduler",
+        "target",
+        "timeout",
+        "timer",
+    )
 
     def __init__(
         self,
@@ -1295,13 +1422,16 @@ class _Acquisition:
         target: _Target,
         scheduler: abc.SchedulerBase | None,
         timeout: float | None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.lease = lease
         self.target = target
         self.scheduler = scheduler
         self.timeout = timeout
+        self.loop = loop
         self.timer: TimerHandle | None = None
-        self.disposed = False
+        self.disposed = False  # disposed, timed out or failed: nothing more reaches the target
+        self.delivered = False  # the lease was handed to the target
 
     def start(self) -> abc.DisposableBase:
         lease = self.lease
@@ -1334,9 +1464,14 @@ class _Acquisition:
             if self.disposed:
                 return
             self.disposed = True
-            if lease._state == _PENDING:
+            state = lease._state
+            if state == _PENDING:
                 granted = locks._withdraw(lease)
                 locks._cancelled += 1
+            elif state == _HELD and not self.delivered:
+                # Granted, but the delivery has not run - and may never run (its scheduler
+                # was disposed, its loop closed). Nobody else can release the lease.
+                granted = locks._take_back(lease)
         timer = self.timer
         if timer is not None:
             timer.cancel()
@@ -1346,14 +1481,47 @@ class _Acquisition:
     def granted(self, reraise: bool = False) -> None:
         """The lease was granted (this is its ``_notify``): deliver it, or schedule that."""
         scheduler = self.scheduler
-        if scheduler is None:
+        loop = self.loop
+        if scheduler is None and (loop is None or asyncio._get_running_loop() is loop):
             self._deliver_trampolined(reraise)
             return
         try:
-            scheduler.schedule(self._scheduled)
+            if scheduler is not None:
+                scheduler.schedule(self._scheduled)
+            else:
+                assert loop is not None
+                loop.call_soon_threadsafe(self._deliver_trampolined, False)
+        except Exception as exc:  # a disposed scheduler, a closed loop
+            self._undeliverable(exc, reraise)
+
+    def _undeliverable(self, error: Exception, reraise: bool) -> None:
+        """The delivery could not be scheduled: release the lease, then tell the subscriber."""
+        lease = self.lease
+        locks = lease._owner
+        with locks._mutex:
+            disposed = self.disposed
+            self.disposed = True  # should the delivery run after all, it finds nothing to do
+            held = lease._state == _HELD and not self.delivered
+            granted = locks._take_back(lease) if held else None
+        logger.opt(exception=error).error(
+            "rxcoord: could not schedule the delivery of a lease; released it"
+        )
+        timer = self.timer
+        if timer is not None:
+            timer.cancel()
+        if granted is not None:
+            _notify(granted)
+        if not disposed:
+            self._fail(error, reraise)
+
+    def _fail(self, error: Exception, reraise: bool = False) -> None:
+        """``on_error`` from a thread that must not see the subscriber's exceptions."""
+        try:
+            self.target.on_error(error)
         except Exception:
-            logger.opt(exception=True).error("rxcoord: could not schedule a lease delivery")
-            self.lease._owner._release_if_held(self.lease)
+            if reraise:
+                raise
+            logger.opt(exception=True).error("rxcoord: a lease subscriber failed")
 
     def _scheduled(self, _scheduler: abc.SchedulerBase, _state: Any = None) -> None:
         self._deliver_trampolined(False)
@@ -1388,7 +1556,7 @@ class _Acquisition:
             trampoline.queue = None
             # Interrupted (KeyboardInterrupt...): the rest must still get their leases.
             for pending in queue:
-                _hand_off(pending._deliver)
+                _grant_off(pending._deliver)
         if error is not None:
             raise error
 
@@ -1398,8 +1566,13 @@ class _Acquisition:
             self.timer = None
             timer.cancel()
         lease = self.lease
-        if self.disposed:
-            if lease._owner._release_if_held(lease):
+        locks = lease._owner
+        with locks._mutex:
+            disposed = self.disposed
+            if not disposed:
+                self.delivered = True
+        if disposed:
+            if locks._release_if_held(lease):
                 logger.debug("rxcoord: released {}: its subscription was disposed", lease)
             return
         self.target.on_lease(lease)
@@ -1416,28 +1589,101 @@ class _Acquisition:
             locks._timeouts += 1
         assert self.timeout is not None
         error = _timed_out(lease, self.timeout)
-
-        def deliver() -> None:
-            if granted is not None:
-                _notify(granted)
-            self._emit_error(error)
-
-        _hand_off(deliver)
+        if granted is not None:
+            # The grants run their subscribers' work (on_next, run()'s fn) for as long as it
+            # takes: on the grant workers, never in front of the process's other timeouts.
+            unblocked: list[Lease] = granted
+            _grant_off(lambda: _notify(unblocked))
+        _hand_off(lambda: self._emit_error(error))
 
     def _emit_error(self, error: Exception) -> None:
         scheduler = self.scheduler
-        if scheduler is None:
-            self.target.on_error(error)
-        else:
-            scheduler.schedule(lambda _s, _st: self.target.on_error(error))
+        loop = self.loop
+        try:
+            if scheduler is not None:
+                scheduler.schedule(lambda _s, _st: self.target.on_error(error))
+                return
+            if loop is not None and asyncio._get_running_loop() is not loop:
+                loop.call_soon_threadsafe(self.target.on_error, error)
+                return
+        except Exception:  # a disposed scheduler, a closed loop: tell the subscriber here
+            logger.opt(exception=True).error("rxcoord: could not schedule an error delivery")
+        self.target.on_error(error)
+
+
+class _LoopObserver(abc.ObserverBase[Any]):
+    """Passes a subscriber's notifications on from its asyncio loop's thread.
+
+    ``await locks.run(...)`` resolves an asyncio future in ``on_completed``: called on the
+    granting thread, ``set_result`` would not even wake the loop (asyncio futures are not
+    thread-safe). Notifications made on the loop thread go through at once, unless earlier
+    ones are still queued (then they queue too, to keep the order).
+    """
+
+    __slots__ = ("_lock", "_loop", "_observer", "_queued")
+
+    def __init__(self, observer: abc.ObserverBase[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self._observer = observer
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._queued = 0
+
+    def on_next(self, value: Any) -> None:
+        self._forward(self._observer.on_next, value)
+
+    def on_error(self, error: Exception) -> None:
+        self._forward(self._observer.on_error, error)
+
+    def on_completed(self) -> None:
+        self._forward(self._observer.on_completed)
+
+    def _forward(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        on_loop = asyncio._get_running_loop() is loop
+        with self._lock:
+            direct = on_loop and not self._queued
+            if not direct:
+                self._queued += 1
+        if direct:
+            fn(*args)
+            return
+        try:
+            loop.call_soon_threadsafe(self._run, fn, args)
+        except RuntimeError:  # the loop is closed: nobody is left to receive it
+            with self._lock:
+                self._queued -= 1
+            logger.warning("rxcoord: event loop closed before a run() notification arrived")
+
+    def _run(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._queued -= 1
+        fn(*args)
+
+
+def _subscriber_loop(scheduler: abc.SchedulerBase | None) -> asyncio.AbstractEventLoop | None:
+    """The asyncio loop a subscriber waits on: its subscribe-time scheduler's, or the running one.
+
+    (``await observable`` subscribes with an ``AsyncIOScheduler`` of the running loop.)
+    """
+    if isinstance(scheduler, AsyncIOScheduler):
+        return scheduler._loop
+    return asyncio._get_running_loop()
 
 
 class _RunSink(_Target):
     """One subscription to ``run*``: call ``fn`` under the lease, forward, release.
 
-    Disposal releases the lease, except while ``fn`` (or the subscription to the Observable it
-    returned) is executing on some thread: a running function cannot be stopped, so the lease
-    is released when it returns - exclusion holds for as long as the work can run.
+    The lease is released when the work has really ended, never before - exclusion holds for
+    as long as the work can run:
+
+    * ``fn`` itself (and the subscription to the Observable it returned) cannot be stopped:
+      disposed meanwhile, ``on_lease`` releases the lease when it returns;
+    * an Observable's work is stopped by disposing its subscription (the Rx contract);
+    * a future or coroutine is only *asked* to stop: a running executor job refuses
+      (``cancel()`` returns False), a cancelled task still runs its cleanup. The lease is
+      released by the done-callback, when the work has finished. (A concurrent future that
+      accepted ``cancel()`` had not started and never will.) Coroutines run as tasks on the
+      subscriber's loop, so their end is observed exactly.
     """
 
     __slots__ = (
@@ -1467,7 +1713,9 @@ class _RunSink(_Target):
         self.loop = loop
         self.lease: Lease | None = None
         self.done = False  # disposed or terminated: nothing more is forwarded
-        self.running = False  # fn or the inner subscribe call is executing
+        # fn (or the inner subscribe call) is executing, or the work it started is in flight:
+        # whoever ends it releases the lease, not dispose().
+        self.running = False
         self.inner = SingleAssignmentDisposable()
 
     def on_lease(self, lease: Lease) -> None:
@@ -1480,58 +1728,115 @@ class _RunSink(_Target):
         if abandoned:
             self.locks._release_if_held(lease)
             return
+        in_flight = False
         try:
-            self._start_work()
+            in_flight = self._start_work()
         finally:
-            with mutex:
-                self.running = False
-                # Disposed while the work ran: dispose() left the lease to us.
-                orphaned = self.done and self.lease is not None
-            if orphaned:
-                self._release()
+            if not in_flight:
+                with mutex:
+                    self.running = False
+                    # Disposed while the work ran: dispose() left the lease to us.
+                    orphaned = self.done and self.lease is not None
+                if orphaned:
+                    self._release()
 
-    def _start_work(self) -> None:
+    def _start_work(self) -> bool:
+        """Call ``fn``, start what it returned; True if a done-callback will release the lease."""
         try:
             result = self.fn()
         except Exception as exc:
             self._terminate(exc)
-            return
-        if self.done:  # disposed while fn ran: do not start what it returned
-            _discard(result)
-            return
+            return False
         if isinstance(result, abc.ObservableBase):
-            self.inner.disposable = result.subscribe(
-                self.observer.on_next, self._terminate, self._completed
-            )
-            return
-        if isinstance(result, concurrent.futures.Future) or asyncio.isfuture(result):
-            future: Any = result
-        elif inspect.isawaitable(result):
-            loop = self.loop
-            coroutine = result if inspect.iscoroutine(result) else _await(result)
-            if loop is None:
-                coroutine.close()
-                self._terminate(
-                    TypeError(
-                        "fn returned an awaitable but run() was not subscribed on a running "
-                        "event loop; subscribe (or await) it from a coroutine, or use hold_async"
-                    )
+            if not self.done:  # disposed while fn ran: do not start it
+                self.inner.disposable = result.subscribe(
+                    self.observer.on_next, self._terminate, self._completed
                 )
-                return
-            try:
-                future = asyncio.run_coroutine_threadsafe(coroutine, loop)
-            except RuntimeError as exc:  # the loop is closed
-                coroutine.close()
-                self._terminate(exc)
-                return
-        else:
-            self._finish_value(result)
+            return False
+        if isinstance(result, concurrent.futures.Future):
+            future: concurrent.futures.Future[Any] = result
+            future.add_done_callback(self._future_done)
+            # If dispose() came while fn ran, the assignment cancels at once.
+            self.inner.disposable = Disposable(lambda: _cancel_concurrent(future))
+            return True
+        if asyncio.isfuture(result):
+            return self._watch(result)
+        if inspect.isawaitable(result):
+            coroutine = result if inspect.iscoroutine(result) else _await(result)
+            return self._start_coroutine(coroutine)
+        self._finish_value(result)
+        return False
+
+    def _start_coroutine(self, coroutine: Coroutine[Any, Any, Any]) -> bool:
+        loop = self.loop
+        if loop is None:
+            coroutine.close()
+            self._terminate(
+                TypeError(
+                    "fn returned an awaitable but run() was not subscribed on a running "
+                    "event loop; subscribe (or await) it from a coroutine, or use hold_async"
+                )
+            )
+            return False
+        if self.done:  # disposed while fn ran: never start it
+            coroutine.close()
+            return False
+        if asyncio._get_running_loop() is loop:
+            self._spawn(loop, coroutine)
+            return True
+        try:
+            loop.call_soon_threadsafe(self._spawn, loop, coroutine)
+        except RuntimeError as exc:  # the loop is closed
+            coroutine.close()
+            self._terminate(exc)
+            return False
+        return True
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, Any]) -> None:
+        """On the loop: run the coroutine as a task; its done-callback releases the lease."""
+        if self.done:  # disposed before it could start: it never runs
+            coroutine.close()
+            self._release()
             return
-        self.inner.disposable = Disposable(future.cancel)
-        future.add_done_callback(self._future_done)
+        try:
+            task = loop.create_task(coroutine)
+        except Exception as exc:  # a task factory failed
+            coroutine.close()
+            self._terminate(exc)
+            return
+        self._watch(task)
+
+    def _watch(self, future: asyncio.Future[Any]) -> bool:
+        """Release and forward when an asyncio future is done (on its loop's thread)."""
+        loop = future.get_loop()
+        if asyncio._get_running_loop() is loop:
+            future.add_done_callback(self._future_done)
+        else:
+            try:
+                loop.call_soon_threadsafe(future.add_done_callback, self._future_done)
+            except RuntimeError as exc:  # the loop is closed: the future will not change
+                if future.done():
+                    self._future_done(future)
+                else:
+                    self._terminate(exc)
+                return False
+        # If dispose() came first, the assignment cancels at once.
+        self.inner.disposable = Disposable(lambda: self._cancel(future))
+        return True
+
+    def _cancel(self, future: asyncio.Future[Any]) -> None:
+        """Ask an asyncio future to stop; the done-callback releases the lease when it has."""
+        loop = future.get_loop()
+        if asyncio._get_running_loop() is loop:
+            future.cancel()
+            return
+        try:
+            loop.call_soon_threadsafe(future.cancel)
+        except RuntimeError:  # the loop is closed: the work cannot run any more
+            self._release()
 
     def on_error(self, error: Exception) -> None:
-        self.observer.on_error(error)
+        self._terminate(error)
 
     def _release(self) -> bool:
         """Release the lease (once); True if the caller should forward its terminal."""
@@ -1582,21 +1887,37 @@ class _RunSink(_Target):
             self.locks._release_if_held(lease)
 
 
-def _discard(result: object) -> None:
-    """Drop what ``fn`` returned after its run was disposed, without leaking it."""
-    if inspect.iscoroutine(result):
-        result.close()
-    elif isinstance(result, concurrent.futures.Future) or asyncio.isfuture(result):
-        result.cancel()
+def _cancel_concurrent(future: concurrent.futures.Future[Any]) -> None:
+    # True: it had not started and never will; its done-callback runs now and releases.
+    # False: it runs (or ran); its done-callback releases when it has finished.
+    future.cancel()
 
 
 async def _await(awaitable: Awaitable[_R]) -> _R:
     return await awaitable
 
 
-# -- deliveries caused by timeouts ------------------------------------------------------------
+# -- deliveries off the caller's thread ----------------------------------------------------------
+
+# Grants unblocked on the timer thread (a request timing out) and the rest of a release that a
+# BaseException interrupted are delivered here. Their subscribers' work - on_next, run()'s fn -
+# runs for as long as it takes, so it gets workers of its own: in rxcoord's shared delivery
+# pool it would sit in front of every timeout in the process.
+_grants: Final = WorkerPool(16, "rxcoord-grants")
+
+
+def _grant_off(fn: Callable[[], None]) -> None:
+    """Deliver grants on the grant workers; log their failures."""
+
+    def call() -> None:
+        try:
+            fn()
+        except Exception:
+            logger.opt(exception=True).error("rxcoord: a lease subscriber failed")
+
+    _grants.submit(call)
 
 
 def _hand_off(fn: Callable[[], None]) -> None:
-    """Run ``fn`` on rxcoord's delivery workers (never on the timer thread)."""
+    """Deliver a timeout's ``LockTimeout`` on rxcoord's delivery workers (not the timer thread)."""
     hand_off(fn, "a lease subscriber")

@@ -26,7 +26,7 @@ from reactivex import operators as ops
 from reactivex.scheduler import NewThreadScheduler
 from reactivex.testing import TestScheduler
 
-from rxcoord import KeyedLocks, KeyedLocksStats, Lease
+from rxcoord import KeyedLocks, KeyedLocksStats, Lease, _locks
 from rxcoord._errors import LeaseReleasedError, LockTimeout, RxcoordError
 
 WAIT = 10.0  # generous bound for events that must happen; never reached when correct
@@ -631,46 +631,48 @@ def test_a_lease_granted_to_a_disposed_subscription_is_released() -> None:
     holder, _ = watch(locks.acquire("a"))
     waiter, subscription = watch(locks.acquire("a", scheduler=scheduler))
     holder.lease.release()  # granted to waiter; delivery queued on the scheduler
-    subscription.dispose()  # ... and the subscriber leaves before it arrives
     assert not is_free(locks, "a")
-    scheduler.advance_by(1)
+    subscription.dispose()  # ... and the subscriber leaves before it arrives
+    assert is_free(locks, "a")  # released at once, not left to a delivery that may never run
+    scheduler.advance_by(1)  # the delivery, when it runs, finds nothing to hand over
     assert not waiter.granted
-    assert is_free(locks, "a")  # released, not lost
+    assert is_free(locks, "a")
     assert len(locks) == 0
 
 
-def test_a_lease_racing_with_disposal_is_delivered_not_dropped() -> None:
+def test_a_lease_racing_with_disposal_is_delivered_not_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # reactivex's AutoDetachObserver drops on_next once dispose() has begun. Open exactly that
-    # window: dispose() starts on another thread (marking the observer stopped) and waits for
-    # the internal lock, held here, while the scheduled delivery runs. The lease must reach
+    # window: dispose() starts on another thread (marking the observer stopped) and is held
+    # before it reaches KeyedLocks while the scheduled delivery runs. The lease must reach
     # on_next (the subscriber releases it) instead of vanishing with the key locked forever.
+    original = _locks._Acquisition.dispose
+    entered, proceed = threading.Event(), threading.Event()
+
+    def held_open(self: _locks._Acquisition) -> None:
+        if threading.current_thread().name == "disposer":
+            entered.set()
+            assert proceed.wait(WAIT)
+        original(self)
+
+    monkeypatch.setattr(_locks._Acquisition, "dispose", held_open)
     locks = KeyedLocks()
     scheduler = TestScheduler()
     holder, _ = watch(locks.acquire("a"))
     got: list[Lease] = []
     subscription = locks.acquire("a", scheduler=scheduler).subscribe(got.append)
     holder.lease.release()
-    with locks._mutex:  # white-box: the only deterministic way to hold dispose() midway
-        disposer = threading.Thread(target=subscription.dispose)
-        disposer.start()
-        wait_for(lambda: not disposer.is_alive() or _blocked(disposer))
-        scheduler.advance_by(1)
+    disposer = threading.Thread(target=subscription.dispose, name="disposer")
+    disposer.start()
+    assert entered.wait(WAIT)
+    scheduler.advance_by(1)  # the delivery runs while dispose() is midway
+    proceed.set()
     disposer.join(WAIT)
     assert len(got) == 1
+    assert not got[0].released  # delivered first: the disposal leaves it to the subscriber
     got[0].release()
     assert len(locks) == 0
-
-
-def _blocked(thread: threading.Thread) -> bool:
-    """True once ``thread`` waits for a lock (its frame is in KeyedLocks' acquisition code)."""
-    import sys
-
-    frame = sys._current_frames().get(thread.ident or 0)
-    while frame is not None:
-        if frame.f_code.co_name == "dispose" and "_locks" in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def test_acquire_timeout_errors_and_withdraws() -> None:
