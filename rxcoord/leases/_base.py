@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from time import monotonic
-from types import TracebackType
 from typing import Final, Literal, TypeVar
 
 from loguru import logger
@@ -40,6 +39,7 @@ from reactivex.disposable import CompositeDisposable, Disposable
 from reactivex.scheduler import NewThreadScheduler
 
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
+from rxcoord._lifecycle import Closeable
 
 from ._background import Background
 from ._lease import DistributedLease
@@ -140,7 +140,7 @@ class _Cancel:
             watch.fire()
 
 
-class LeaseProvider(ABC):
+class LeaseProvider(Closeable):
     """Distributed leases in a shared store: the API every backend offers.
 
     A lease is a named lock with a "locked until" time on the store's clock (ShedLock's model):
@@ -149,7 +149,8 @@ class LeaseProvider(ABC):
     job does not run twice on nodes whose clocks differ slightly). Every grant carries a fencing
     token larger than any earlier grant of the name.
 
-    Providers are thread-safe and context managers (``close()`` on exit). Use one provider per
+    Providers are thread-safe, context managers and reactivex Disposables (``close()`` on exit
+    and on ``dispose()``). Use one provider per
     process and store; leases from it may be used from any thread or task.
     """
 
@@ -583,17 +584,6 @@ class LeaseProvider(ABC):
         self._store_close()
         with self._lock:
             self._state = _CLOSED
-
-    def __enter__(self) -> LeaseProvider:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def stats(self) -> LeaseProviderStats:
         """A snapshot of the provider's state and counters."""

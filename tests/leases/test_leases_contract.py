@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reactivex import abc
 
 from rxcoord.leases import (
     DistributedLease,
@@ -437,6 +438,17 @@ def test_close_releases_held_leases_and_refuses_further_use(backend: Backend, na
         provider.try_acquire(name, 5.0)
     with pytest.raises(LeaseProviderClosed):
         lease.release()
+
+
+def test_provider_is_a_context_manager_and_a_disposable(backend: Backend, name: str) -> None:
+    with backend.new() as provider:
+        lease = provider.acquire(name, at_most_for=30.0)
+    assert provider.closed
+    assert lease.released
+    disposable: abc.DisposableBase = backend.new()
+    disposable.dispose()  # the reactivex Disposable protocol: dispose() is close()
+    assert isinstance(disposable, LeaseProvider)
+    assert disposable.closed
 
 
 def test_close_wakes_waiters_with_a_clear_error(backend: Backend, name: str) -> None:
