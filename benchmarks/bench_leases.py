@@ -103,25 +103,47 @@ def pairs_per_second(pair: Pair, n: int) -> float:
     return n / (time.perf_counter() - started)
 
 
-def measure(contenders: dict[str, Pair], pairs: int, repeat: int) -> dict[str, list[float]]:
+def measure(
+    contenders: dict[str, Pair],
+    pairs: int,
+    repeat: int,
+    cpu: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
+    """Pairs/s per contender, ``repeat`` runs each, alternating.
+
+    ``cpu``, if given, receives the client's own CPU time per pair in microseconds (this
+    thread's CPU, syscalls included): what a lock costs the service, apart from the round trips
+    it waits for. On a fast loopback the round trips bound every contender's rate alike.
+    """
     results: dict[str, list[float]] = {name: [] for name in contenders}
     for pair in contenders.values():  # warm up: scripts loaded, connections open
         for _ in range(50):
             pair()
     for _ in range(repeat):
         for name, pair in contenders.items():  # alternate, so drift hits everyone alike
+            started = time.thread_time()
             results[name].append(pairs_per_second(pair, pairs))
+            if cpu is not None:
+                cpu.setdefault(name, []).append((time.thread_time() - started) / pairs * 1e6)
     return results
 
 
-def print_rates(title: str, results: dict[str, list[float]], reference: str) -> None:
+def print_rates(
+    title: str,
+    results: dict[str, list[float]],
+    reference: str,
+    cpu: dict[str, list[float]] | None = None,
+) -> None:
     print(f"\n{title} (median of {len(next(iter(results.values())))} runs)")
     base = statistics.median(results[reference])
     for name, rates in results.items():
         median = statistics.median(rates)
         spread = f"{min(rates):7.0f}..{max(rates):<7.0f}"
         ratio = base / median
-        print(f"  {name:<28} {median:8.0f} pairs/s  [{spread}]  {reference}/this {ratio:4.2f}x")
+        used = f"  client CPU {statistics.median(cpu[name]):5.1f} us/pair" if cpu else ""
+        print(
+            f"  {name:<28} {median:8.0f} pairs/s  [{spread}]  {reference}/this {ratio:4.2f}x" + used
+        )
 
 
 def commands_per_pair(url: str, prefix: str, pairs: int) -> dict[str, tuple[float, float, str]]:
@@ -354,7 +376,8 @@ def bench_rows(
         prefix = f"bench:{run}:"
         client = redis_client(redis_url)
         contenders = redis_contenders(redis_url, client, prefix)
-        rates = measure({n: p for n, (p, _) in contenders.items()}, pairs, repeat)
+        cpu: dict[str, list[float]] = {}
+        rates = measure({n: p for n, (p, _) in contenders.items()}, pairs, repeat, cpu)
         for _, closer in contenders.values():
             if closer is not None:
                 closer.close()
@@ -376,6 +399,18 @@ def bench_rows(
                     goal,
                 )
             )
+        ours_cpu = statistics.median(cpu["RedisLeases"])
+        theirs_cpu = statistics.median(cpu["redis-py Lock"])
+        rows.append(
+            (
+                "leases, Redis client CPU per pair",
+                f"{ours_cpu:.0f} us",
+                "redis-py Lock",
+                f"{theirs_cpu:.0f} us",
+                f"{ours_cpu / theirs_cpu:.2f}x",
+                "",
+            )
+        )
         counts = commands_per_pair(redis_url, prefix, min(pairs, 500))
         rows.append(
             (
@@ -454,8 +489,9 @@ def main() -> int:
         prefix = f"bench:{run}:"
         client = redis_client(args.redis_url)
         contenders = redis_contenders(args.redis_url, client, prefix)
-        results = measure({n: p for n, (p, _) in contenders.items()}, args.pairs, args.repeat)
-        print_rates("Redis try_acquire + release", results, "RedisLeases")
+        cpu: dict[str, list[float]] = {}
+        results = measure({n: p for n, (p, _) in contenders.items()}, args.pairs, args.repeat, cpu)
+        print_rates("Redis try_acquire + release", results, "RedisLeases", cpu)
         ours = statistics.median(results["RedisLeases"])
         goals = [
             (
