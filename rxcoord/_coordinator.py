@@ -48,7 +48,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, cast, overload
 
 from loguru import logger
-from reactivex import Observable, abc
+from reactivex import Observable, Observer, abc
 from reactivex.disposable import Disposable
 from reactivex.scheduler import VirtualTimeScheduler
 from reactivex.scheduler.eventloop import AsyncIOScheduler
@@ -58,7 +58,7 @@ from ._errors import CoordinatorClosed, TooManyTasks
 from ._lifecycle import Closeable, CoordinatorState
 from ._pool import WorkerPool, hand_off
 from ._timer import call_later
-from .operators import serialize_by_key
+from .operators._serialize_by_key import SerializedSubscription, subscribe_serialized
 
 if TYPE_CHECKING:
     from .leases import DistributedLease, LeaseProvider
@@ -178,6 +178,10 @@ class _Task(abc.ObservableBase[None], abc.DisposableBase):
 
 
 _DETACHED: Final = Disposable()
+_is_settled: Final = attrgetter("settled")  # a queued task cancelled: the pipeline may drop it
+_PURGE_AT_LEAST: Final = 64  # tombstones (cancelled queued tasks) that make a purge worth it
+# What _settle leaves to do outside the lock: state, async handle, timer cancel, idle, purge.
+_Cleanup = tuple[int, "asyncio.Future[Any] | None", Any, bool, bool]
 _KEYED: Final = object()  # tags user keys so they can never equal an unkeyed task's own key
 
 
@@ -447,6 +451,7 @@ class TenantTaskCoordinator(Closeable):
         self._rejected = 0
         self._cancelled = 0
         self._timed_out = 0
+        self._tombstones = 0  # tasks cancelled while queued, still in the pipeline's queues
 
         self._scheduler = scheduler
         self._pool: WorkerPool | None = None
@@ -475,14 +480,20 @@ class TenantTaskCoordinator(Closeable):
     def _became_idle(self) -> None:
         """Called (outside the lock) each time the work in progress drops to zero."""
 
-    def _build_pipeline(self) -> tuple[Subject[_Task], abc.DisposableBase]:
-        """The sink, and the pipeline from it: per-key order and the cap; each task runs itself."""
+    def _build_pipeline(self) -> tuple[Subject[_Task], SerializedSubscription[_Task, None]]:
+        """The sink, and the pipeline from it: per-key order and the cap; each task runs itself.
+
+        That is ``sink.pipe(serialize_by_key(...)).subscribe(on_error=...)``, subscribed through
+        ``subscribe_serialized`` to keep the subscription's ``purge()`` (see ``_settle``).
+        """
         sink: Subject[_Task] = Subject()
-        pipeline = sink.pipe(
-            serialize_by_key(
-                attrgetter("lane_key"), _identity, max_concurrent=self._max_concurrency
-            )
-        ).subscribe(on_error=self._pipeline_fault)
+        pipeline = subscribe_serialized(
+            sink,
+            attrgetter("lane_key"),
+            _identity,
+            Observer(on_error=self._pipeline_fault),
+            max_concurrent=self._max_concurrency,
+        )
         return sink, pipeline
 
     # -- public API --------------------------------------------------------------------------
@@ -672,6 +683,7 @@ class TenantTaskCoordinator(Closeable):
             if task.settled:  # cancelled (or closed) while queued: it never starts
                 task.state = _DONE
                 drop = True
+                self._tombstones = max(0, self._tombstones - 1)  # it has left the queue
             elif gate is not None:
                 task.state = _GATED
                 drop = False
@@ -915,29 +927,37 @@ class TenantTaskCoordinator(Closeable):
             cleanup = self._settle(task)
         self._after_settle(task, cleanup, error)
 
-    def _settle(self, task: _Task) -> tuple[int, asyncio.Future[Any] | None, Any, bool]:
+    def _settle(self, task: _Task) -> _Cleanup:
         """Mark an unsettled task cancelled (lock held); what is left to do outside the lock."""
         task.settled = True
         self._cancelled += 1
         state = task.state
-        idle = False
+        idle = purge = False
         if state is _QUEUED:
-            # Leaves the counters at once; the pipeline drops it when its turn comes.
+            # Leaves the counters at once; the pipeline drops it when its turn comes. Until
+            # then it is a tombstone in the pipeline's queues, which the WIP limit no longer
+            # bounds (a stuck job and callers that keep giving up would pile them up without
+            # end): once they outnumber the live queued tasks, purge them, at O(1) amortized.
             self._queued -= 1
             self._tasks.discard(task)
             task.job = None
             idle = self._queued + self._running == 0
+            self._tombstones += 1
+            if self._purge_due():
+                self._tombstones = 0
+                purge = self._state is CoordinatorState.OPEN
         timer = task.timer
         task.timer = None
-        return state, task.handle, timer, idle
+        return state, task.handle, timer, idle, purge
 
-    def _after_settle(
-        self,
-        task: _Task,
-        cleanup: tuple[int, asyncio.Future[Any] | None, Any, bool],
-        error: Exception | None,
-    ) -> None:
-        state, handle, timer, idle = cleanup
+    def _purge_due(self) -> bool:
+        """Whether the tombstones are worth a pass over the queues (lock held)."""
+        return self._tombstones > max(_PURGE_AT_LEAST, self._queued)
+
+    def _after_settle(self, task: _Task, cleanup: _Cleanup, error: Exception | None) -> None:
+        state, handle, timer, idle, purge = cleanup
+        if purge:
+            self._pipeline.purge(_is_settled)
         if timer is not None:
             timer()
         if handle is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -328,6 +329,40 @@ def test_a_queued_job_cancelled_never_starts_and_leaves_the_counters_at_once(
     assert not queued.started.is_set()
     assert not outcome.done.is_set()  # a cancelled subscriber hears nothing
     assert coordinator.stats().cancelled == 1
+
+
+def test_queued_jobs_cancelled_while_the_coordinator_is_stuck_leave_no_state_behind() -> None:
+    # The WIP limit stops counting a job cancelled while queued; without a purge each one
+    # would stay in the pipeline's queues (with its subscriber) until the stuck job returns.
+    ran: list[tuple[Any, int]] = []
+    stuck = Gate()
+    with TenantTaskCoordinator(max_concurrency=1, max_queue_size=16) as c:
+        Outcome().subscribe_to(c.execute(stuck, key="a"))
+        assert stuck.started.wait(WAIT)
+        live: list[Outcome] = []
+        for i in range(5000):
+            key = ("a", "b", None)[i % 3]
+            sub = Outcome().subscribe_to(
+                c.execute(lambda key=key, i=i: ran.append((key, i)), key=key)
+            )
+            sub.dispose()
+            if i % 500 == 7:  # a few stay, interleaved with the cancelled ones
+                live.append(Outcome())
+                live[-1].subscribe_to(c.execute(lambda key=key, i=i: ran.append((key, i)), key=key))
+        gc.collect()
+        tasks = sum(1 for obj in gc.get_objects() if type(obj).__name__ == "_Task")
+        # Live work plus fewer tombstones than the purge floor (64) or the queue size.
+        assert tasks <= 1 + len(live) + 64, f"{tasks} tasks retained"
+        assert c.stats().cancelled == 5000
+        stuck.open()
+        for outcome in live:
+            assert outcome.done.wait(WAIT)
+            assert outcome.error is None
+    # Only the live jobs ran, and each key's in subscription order.
+    assert sorted(i for _, i in ran) == [i for i in range(5000) if i % 500 == 7]
+    for key in ("a", "b", None):
+        of_key = [i for k, i in ran if k == key]
+        assert of_key == sorted(of_key)
 
 
 def test_a_running_sync_job_s_result_is_discarded(coordinator: TenantTaskCoordinator) -> None:

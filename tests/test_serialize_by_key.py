@@ -29,6 +29,7 @@ from reactivex.testing.subscription import Subscription
 
 import rxcoord
 from rxcoord.operators import serialize_by_key
+from rxcoord.operators._serialize_by_key import subscribe_serialized
 
 on_next = ReactiveTest.on_next
 on_completed = ReactiveTest.on_completed
@@ -261,6 +262,57 @@ def test_dispose_frees_all_per_key_state() -> None:
     sub.dispose()
     gc.collect()
     assert [r for r in refs if r() is not None] == []  # ...and all released on disposal
+
+
+def test_purge_drops_queued_items_keeps_order_and_never_touches_active_ones() -> None:
+    # subscribe_serialized's purge() (rxcoord's coordinator drops cancelled queued tasks).
+    source: Subject[Msg] = Subject()
+    inners: dict[Msg, Subject[str]] = {}
+    mapped: list[Msg] = []
+    out: list[str] = []
+    done: list[str] = []
+
+    def mapper(m: Msg) -> Subject[str]:
+        mapped.append(m)
+        inners[m] = Subject()
+        return inners[m]
+
+    observer = reactivex.Observer(
+        out.append, lambda e: done.append(repr(e)), lambda: done.append("completed")
+    )
+    sub = subscribe_serialized(source, key_of, mapper, observer, max_concurrent=1)
+    for m in [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2), ("c", 1)]:
+        source.on_next(m)
+    assert mapped == [("a", 1)]  # a1 active; a2, a3 behind it; lanes b and c ready
+    dead = {("a", 1), ("a", 2), ("b", 1), ("c", 1)}  # a1 is active: it is never purged
+    assert sub.purge(dead.__contains__) == 3
+    assert sub.purge(dead.__contains__) == 0  # nothing left to drop
+    source.on_completed()
+
+    def finish(m: Msg) -> None:
+        inners[m].on_next(f"{m[0]}{m[1]}")
+        inners[m].on_completed()
+
+    finish(("a", 1))  # b's lane now starts with b2; a3 became ready after it
+    assert mapped == [("a", 1), ("b", 2)]
+    finish(("b", 2))
+    assert mapped == [("a", 1), ("b", 2), ("a", 3)]
+    assert done == []
+    finish(("a", 3))
+    assert out == ["a1", "b2", "a3"]
+    assert done == ["completed"]
+    assert sub.purge(lambda m: True) == 0  # after the end: nothing, no error
+
+
+def test_purge_after_dispose_is_a_noop() -> None:
+    source: Subject[Msg] = Subject()
+    sub = subscribe_serialized(
+        source, key_of, lambda m: reactivex.never(), reactivex.Observer(), max_concurrent=1
+    )
+    source.on_next(("a", 1))
+    source.on_next(("a", 2))
+    sub.dispose()
+    assert sub.purge(lambda m: True) == 0
 
 
 def test_dispose_after_completion_is_a_noop() -> None:

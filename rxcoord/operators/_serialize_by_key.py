@@ -38,7 +38,7 @@ from reactivex import Observable, abc, from_future
 from reactivex.disposable import Disposable, SingleAssignmentDisposable
 from reactivex.internal.utils import is_future
 
-__all__ = ["serialize_by_key"]
+__all__ = ["SerializedSubscription", "serialize_by_key", "subscribe_serialized"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -105,14 +105,7 @@ def serialize_by_key(
         TypeError: ``max_concurrent`` is not an int (or None).
         ValueError: ``max_concurrent`` is less than 1.
     """
-    if max_concurrent is None:
-        cap = _NO_CAP
-    elif isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int):
-        raise TypeError(f"max_concurrent must be an int or None, not {max_concurrent!r}")
-    elif max_concurrent < 1:
-        raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
-    else:
-        cap = max_concurrent
+    cap = _check_cap(max_concurrent)
 
     def operator(source: Observable[_T]) -> Observable[_R]:
         def subscribe(
@@ -123,6 +116,35 @@ def serialize_by_key(
         return Observable(subscribe)
 
     return operator
+
+
+def subscribe_serialized(
+    source: Observable[_T],
+    key_mapper: Callable[[_T], Hashable],
+    mapper: Callable[[_T], abc.ObservableBase[_R]],
+    observer: abc.ObserverBase[_R],
+    *,
+    max_concurrent: int | None = None,
+) -> SerializedSubscription[_T, _R]:
+    """``source.pipe(serialize_by_key(...)).subscribe(observer)`` for rxcoord's own layers.
+
+    Returns the subscription itself: ``dispose()`` unsubscribes, and ``purge()`` drops queued
+    items that have become pointless (the coordinator's tasks cancelled while queued), which an
+    Rx subscription cannot express.
+    """
+    sink = _Sink(observer, None, key_mapper, mapper, _check_cap(max_concurrent))
+    sink.run(source)
+    return sink
+
+
+def _check_cap(max_concurrent: int | None) -> int:
+    if max_concurrent is None:
+        return _NO_CAP
+    if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int):
+        raise TypeError(f"max_concurrent must be an int or None, not {max_concurrent!r}")
+    if max_concurrent < 1:
+        raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
+    return max_concurrent
 
 
 class _Lane(abc.ObserverBase[_R], Generic[_T, _R]):
@@ -246,6 +268,42 @@ class _Sink(Generic[_T, _R]):
                 return
             self._active += 1
         self._start(lane)
+
+    def purge(self, is_dead: Callable[[_T], bool]) -> int:
+        """Drop queued items (never subscribed) for which ``is_dead`` is true; how many.
+
+        Items keep their order; an item whose inner is active, or about to be subscribed, is
+        never touched. ``is_dead`` runs with the lock held, so it must be a cheap check that
+        calls no user code. The cost is one pass over the queued items.
+        """
+        with self._lock:
+            if self._done:
+                return 0
+            removed = 0
+            ready: deque[_Lane[_T, _R]] = deque()
+            for lane in self._ready:  # ready lanes are not subscribed yet: their item may go
+                if is_dead(lane.item):  # type: ignore[arg-type]
+                    removed += 1
+                    pending = lane.pending
+                    while pending and is_dead(pending[0]):
+                        pending.popleft()
+                        removed += 1
+                    if not pending:
+                        del self._lanes[lane.key]  # the key has no work left
+                        continue
+                    lane.item = pending.popleft()  # the next live item takes the lane's place
+                ready.append(lane)
+            self._ready = ready
+            for lane in self._lanes.values():
+                pending = lane.pending
+                if pending:
+                    live = deque(item for item in pending if not is_dead(item))
+                    if len(live) < len(pending):
+                        removed += len(pending) - len(live)
+                        lane.pending = live
+        # No completion to check: lanes are ready only while the cap is reached, so the active
+        # lanes (in ``_lanes`` until they complete) outlive any purge.
+        return removed
 
     def _on_source_error(self, error: Exception) -> None:
         self.fail(error)
@@ -424,6 +482,7 @@ class _Sink(Generic[_T, _R]):
 
     # The observer raised from on_next: it is broken, so tear down as Rx's SafeObserver does.
     _downstream_failed = _dispose
+    dispose = _dispose  # as the handle subscribe_serialized returns
 
     def _close(self) -> list[_Lane[_T, _R]]:
         """Mark the subscription done and hand back its lanes to dispose (lock held)."""
@@ -440,3 +499,6 @@ class _Sink(Generic[_T, _R]):
             sub = lane.sub
             if sub is not None:
                 sub.dispose()
+
+
+SerializedSubscription = _Sink
