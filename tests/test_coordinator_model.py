@@ -99,24 +99,19 @@ holding = st.tuples(
     st.sampled_from(["ok", "hold", "hold"]),
     st.just(None),
 )
+model_settings = settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 cancel_heavy = st.lists(st.one_of(holding, holding, cancel, release), min_size=4, max_size=30)
 
 
-@settings(
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@model_settings
 @given(ops=operations)
 def test_random_workloads_keep_limits_order_and_accounting(ops: list[tuple[Any, ...]]) -> None:
     run_workload(ops)
 
 
-@settings(
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@model_settings
 @given(ops=cancel_heavy)
 def test_random_workloads_with_a_purge_on_every_cancel(ops: list[tuple[Any, ...]]) -> None:
     # Tasks cancelled while queued are purged from the pipeline once they outnumber the live
