@@ -113,7 +113,7 @@ import inspect
 import math
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeAlias, TypeVar, overload
@@ -507,6 +507,8 @@ class KeyedLocks:
         ``scheduler`` if handlers block. Subscribed on a running asyncio loop (``await
         locks.acquire(key)``, or ``subscribe`` in a coroutine) and without ``scheduler``, the
         lease is delivered on that loop's thread; :meth:`hold_async` is the simpler form.
+        ``await locks.acquire(key)`` itself waits as :meth:`hold_async` does (whatever the
+        ``scheduler``), so a task cancelled right after the grant releases the lease.
         If the scheduler refuses the delivery (``schedule()`` raises: it was disposed), the
         lease is released and the error goes to ``on_error``.
 
@@ -1212,7 +1214,7 @@ class KeyedLocks:
             )
             return acquisition.start()
 
-        return Observable(subscribe)
+        return _LeaseRequest(subscribe, self, keys, timeout)
 
     def _run(
         self,
@@ -1261,6 +1263,33 @@ def _notify(granted: list[Lease]) -> None:
         if rest:
             _grant_off(lambda: _notify(rest))
         raise
+
+
+class _LeaseRequest(Observable[Lease]):
+    """What ``acquire*`` return: an Observable of one lease that is also safe to ``await``.
+
+    reactivex's own ``await`` would resolve its future from whatever thread delivers (with
+    ``scheduler=`` that is not the loop's, and the loop is never woken), and a task cancelled
+    after the grant but before it resumed would drop the lease, held forever. Awaiting takes
+    the path of :meth:`KeyedLocks.hold_async` instead, which withdraws or releases on
+    cancellation.
+    """
+
+    def __init__(
+        self,
+        subscribe: Callable[
+            [abc.ObserverBase[Lease], abc.SchedulerBase | None], abc.DisposableBase
+        ],
+        locks: KeyedLocks,
+        keys: tuple[Hashable, ...],
+        timeout: float | None,
+    ) -> None:
+        super().__init__(subscribe)
+        self._request = (locks, keys, timeout)
+
+    def __await__(self) -> Generator[Any, None, Lease]:
+        locks, keys, timeout = self._request
+        return locks._acquire_async(Lease(locks, keys), timeout).__await__()
 
 
 class _AsyncHold:

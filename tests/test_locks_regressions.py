@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from reactivex import abc
 from reactivex import operators as ops
-from reactivex.scheduler import EventLoopScheduler
+from reactivex.scheduler import EventLoopScheduler, ThreadPoolScheduler
 from reactivex.testing import TestScheduler
 
 from rxcoord import KeyedLocks, Lease
@@ -419,6 +419,52 @@ def test_await_granted_by_another_thread_completes(form: str) -> None:
     assert not thread.is_alive()
     assert results == ["value"]
     assert len(locks) == 0
+
+
+# -- also: awaiting acquire*() directly ---------------------------------------------------------
+
+
+def test_awaiting_acquire_with_a_scheduler_wakes_the_loop() -> None:
+    # With scheduler=, reactivex's await resolved its future from a pool thread: the idle loop
+    # was never woken. acquire*() now await like hold_async().
+    locks = KeyedLocks()
+    holder = locks.hold("a").__enter__()
+    pool = ThreadPoolScheduler(1)
+    results: list[Lease] = []
+
+    async def main() -> None:
+        results.append(await locks.acquire("a", scheduler=pool))
+
+    thread = daemon(lambda: asyncio.run(main()))
+    wait_for(lambda: locks.stats().waiting == 1)
+    holder.release()
+    thread.join(WAIT)
+    assert not thread.is_alive()
+    assert len(results) == 1
+    assert not results[0].released
+    results[0].release()
+    assert len(locks) == 0
+
+
+async def test_a_task_cancelled_after_its_awaited_grant_does_not_keep_the_lease() -> None:
+    # The grant lands in the awaiting task's future, then the task is cancelled before it
+    # resumes: before the fix the lease was dropped with the task, held forever.
+    locks = KeyedLocks()
+    holder = locks.hold("a").__enter__()
+
+    async def waiter() -> Lease:
+        return await locks.acquire("a")
+
+    task = asyncio.create_task(waiter())
+    await until(lambda: locks.stats().waiting == 1)
+    holder.release()  # on the loop's thread: granted to the waiting task at once
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert locks.stats().held == 0
+    assert len(locks) == 0
+    with locks.hold("a", timeout=0):
+        pass
 
 
 # -- 6. grants unblocked by timeouts run their work off the shared delivery pool ---------------

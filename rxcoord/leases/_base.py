@@ -27,15 +27,16 @@ from __future__ import annotations
 import asyncio
 import threading
 from abc import abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from time import monotonic
-from typing import Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from loguru import logger
 from reactivex import Observable, abc
 from reactivex.disposable import CompositeDisposable, Disposable
+from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.scheduler import NewThreadScheduler
 
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
@@ -49,6 +50,7 @@ from ._validate import check_lease_args, check_timeout
 __all__ = ["LeaseProvider", "LeaseProviderStats"]
 
 _R = TypeVar("_R")
+_T = TypeVar("_T")
 
 _OPEN: Final = "open"
 _CLOSING: Final = "closing"
@@ -138,6 +140,58 @@ class _Cancel:
             cancelled = self.cancelled
         if cancelled:
             watch.fire()
+
+
+class _Awaitable(Observable[_T]):
+    """What ``run`` and ``acquire_rx`` return: an Observable that is also safe to ``await``.
+
+    Awaited through reactivex, the subscription's scheduler would be the event loop's, so the
+    blocking wait (and ``run``'s job) would run on the loop's own thread, and a task cancelled
+    after ``acquire_rx``'s grant would drop the lease. ``await`` takes ``awaiting()`` instead:
+    :meth:`LeaseProvider.acquire_async` for ``acquire_rx``, and for ``run`` the subscription
+    itself on its own thread, its outcome passed to the loop thread-safely.
+    """
+
+    def __init__(
+        self,
+        subscribe: Callable[[abc.ObserverBase[_T], abc.SchedulerBase | None], abc.DisposableBase],
+        awaiting: Callable[[], Coroutine[Any, Any, _T]],
+    ) -> None:
+        super().__init__(subscribe)
+        self._awaiting = awaiting
+
+    def __await__(self) -> Generator[Any, None, _T]:
+        return self._awaiting().__await__()
+
+
+async def _await_threadsafe(source: Observable[_T]) -> _T:
+    """The last value of ``source``, whose notifications may come on any thread.
+
+    Cancelling the awaiting task disposes the subscription. Completing empty raises
+    ``SequenceContainsNoElementsError``, as awaiting any reactivex Observable does.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+    last: list[_T] = []
+
+    def settle(outcome: Callable[[Any], None], value: Any) -> None:
+        if not future.done():  # the awaiting task may have been cancelled meanwhile
+            outcome(value)
+
+    def on_error(error: Exception) -> None:
+        loop.call_soon_threadsafe(settle, future.set_exception, error)
+
+    def on_completed() -> None:
+        if last:
+            loop.call_soon_threadsafe(settle, future.set_result, last[-1])
+        else:
+            on_error(SequenceContainsNoElementsError())
+
+    subscription = source.subscribe(last.append, on_error, on_completed)
+    try:
+        return await future
+    finally:
+        subscription.dispose()
 
 
 class LeaseProvider(Closeable):
@@ -344,6 +398,9 @@ class LeaseProvider(Closeable):
         ``LockTimeout`` when waiting past ``timeout``; ``LeaseStoreUnavailable``.
         Disposing the subscription cancels a pending wait; a running job is not interrupted
         (check ``lease.lost`` or use ``keep_alive``), but its result is dropped.
+        ``await provider.run(...)`` runs it all on its own thread (never the event loop's) and
+        returns the result; skipped (``wait=False``), it raises
+        ``SequenceContainsNoElementsError``, as awaiting any empty Observable does.
 
         Raises:
             ValueError: Bad arguments (raised here, not on subscription).
@@ -395,7 +452,16 @@ class LeaseProvider(Closeable):
             chosen = scheduler or scheduler_ or NewThreadScheduler()
             return CompositeDisposable(chosen.schedule(action), Disposable(cancel.set))
 
-        return Observable(subscribe)
+        observable: _Awaitable[_R] = _Awaitable(subscribe, lambda: _await_threadsafe(observable))
+        return observable
+
+    async def _try_acquire_or_empty(
+        self, name: str, most: float, least: float, keep_alive: bool
+    ) -> DistributedLease:
+        lease = await self.try_acquire_async(name, most, least, keep_alive=keep_alive)
+        if lease is None:  # what awaiting an Observable that completed empty raises
+            raise SequenceContainsNoElementsError(f"lease {name!r} is taken (wait=False)")
+        return lease
 
     def acquire_rx(
         self,
@@ -417,7 +483,9 @@ class LeaseProvider(Closeable):
         another thread (a disposed observer drops what it is sent, so the lease may have
         reached nobody). A disposal from the emitting thread itself (``take(1)``, ``first()``)
         happens after the lease was received: the subscriber keeps it. Errors as
-        :meth:`acquire`.
+        :meth:`acquire`. ``await provider.acquire_rx(...)`` is :meth:`acquire_async` (with
+        ``wait=False``: :meth:`try_acquire_async`, raising ``SequenceContainsNoElementsError``
+        when taken, as awaiting any empty Observable does).
 
         Raises:
             ValueError: Bad arguments (raised here, not on subscription).
@@ -466,7 +534,16 @@ class LeaseProvider(Closeable):
             chosen = scheduler or scheduler_ or NewThreadScheduler()
             return CompositeDisposable(chosen.schedule(action), Disposable(cancel.set))
 
-        return Observable(subscribe)
+        if wait:
+            return _Awaitable(
+                subscribe,
+                lambda: self.acquire_async(
+                    name, most, least, timeout=wait_for, keep_alive=keep_alive
+                ),
+            )
+        return _Awaitable(
+            subscribe, lambda: self._try_acquire_or_empty(name, most, least, keep_alive)
+        )
 
     # -- asyncio forms ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import time
 import pytest
 import reactivex
 from reactivex import operators as ops
+from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.scheduler import ImmediateScheduler
 
 from rxcoord.leases import DistributedLease, LeaseLost, LeaseProvider, LockTimeout
@@ -263,3 +264,55 @@ async def test_cancelling_a_waiter_leaks_nothing(backend: Backend, name: str) ->
     lease = await backend.new().try_acquire_async(name, 5.0)
     assert lease is not None
     await lease.release_async()
+
+
+# -- awaiting the reactive forms ---------------------------------------------------------------
+
+
+async def test_awaiting_acquire_rx_waits_without_blocking_the_loop(
+    backend: Backend, name: str
+) -> None:
+    # Awaited through reactivex, the blocking wait ran on the loop's own thread: the release
+    # below (a coroutine on the same loop) could never run, and the wait timed out.
+    holder = backend.new().acquire(name, 30.0)
+
+    async def release_from_the_loop() -> None:
+        await until_waiting(leases)
+        await holder.release_async()
+
+    leases = backend.new()
+    releasing = asyncio.create_task(release_from_the_loop())
+    lease = await leases.acquire_rx(name, 5.0, timeout=5.0)
+    await releasing
+    assert lease.token > holder.token
+    await lease.release_async()
+
+
+async def test_awaiting_acquire_rx_without_wait_on_a_taken_name_raises(
+    backend: Backend, name: str
+) -> None:
+    holder = backend.new().acquire(name, 30.0)
+    with pytest.raises(SequenceContainsNoElementsError):
+        await backend.new().acquire_rx(name, 5.0, wait=False)
+    holder.release()
+
+
+async def test_awaiting_run_runs_the_job_off_the_loop(backend: Backend, name: str) -> None:
+    # Awaited through reactivex, the job (blocking code, by its signature) ran on the loop.
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+
+    def job(lease: DistributedLease) -> int:
+        threads.append(threading.get_ident())
+        return lease.token
+
+    leases = backend.new()
+    token = await leases.run(name, job)
+    assert token > 0
+    assert threads
+    assert threads[0] != loop_thread
+    assert leases.stats().held == 0
+    holder = backend.new().acquire(name, 30.0)
+    with pytest.raises(SequenceContainsNoElementsError):  # taken, wait=False: skipped
+        await leases.run(name, job)
+    holder.release()
