@@ -55,6 +55,7 @@ from reactivex.scheduler.eventloop import AsyncIOScheduler
 from reactivex.subject import Subject
 
 from ._errors import CoordinatorClosed, TooManyTasks
+from ._futures import set_exception
 from ._lifecycle import Closeable, CoordinatorState
 from ._pool import WorkerPool, hand_off
 from ._timer import call_later
@@ -281,7 +282,7 @@ class _Resolver(abc.ObserverBase[Any]):
 
     def on_error(self, error: Exception) -> None:
         if not self._future.done():
-            self._future.set_exception(error)
+            set_exception(self._future, error)
 
     def on_completed(self) -> None:
         if not self._future.done():
@@ -1034,6 +1035,8 @@ class TenantTaskCoordinator(Closeable):
         Every live job fails with the error (running sync jobs finish unobserved) and a fresh
         pipeline takes new submissions, as the Reactor original's ``onErrorResume`` did.
         """
+        if self._state is not CoordinatorState.OPEN:
+            return  # a fault racing close(): every task is settled by close() already
         self._log.opt(exception=error).critical("pipeline of {!r} failed", self._name)
         sink, pipeline = self._build_pipeline()
         with self._lock:

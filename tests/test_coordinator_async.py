@@ -279,3 +279,15 @@ def test_a_returned_coroutine_without_a_loop_is_a_clear_error() -> None:
 
     with TenantTaskCoordinator() as c, pytest.raises(RuntimeError, match="awaitable"):
         c.execute(lambda: fetch()).run()
+
+
+async def test_a_job_raising_stop_iteration_fails_the_await_instead_of_hanging_it() -> None:
+    # asyncio refuses Future.set_exception(StopIteration()): the awaiter waited forever.
+    def job() -> int:
+        return next(iter(()))
+
+    with TenantTaskCoordinator(max_concurrency=1) as c:
+        async with asyncio.timeout(10):
+            with pytest.raises(RuntimeError, match="StopIteration") as raised:
+                await c.execute(job)
+    assert isinstance(raised.value.__cause__, StopIteration)

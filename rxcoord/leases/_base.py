@@ -40,6 +40,7 @@ from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.scheduler import NewThreadScheduler
 
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
+from rxcoord._futures import set_exception
 from rxcoord._lifecycle import Closeable
 
 from ._background import Background
@@ -174,18 +175,28 @@ async def _await_threadsafe(source: Observable[_T]) -> _T:
     future: asyncio.Future[_T] = loop.create_future()
     last: list[_T] = []
 
-    def settle(outcome: Callable[[Any], None], value: Any) -> None:
-        if not future.done():  # the awaiting task may have been cancelled meanwhile
-            outcome(value)
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():  # the awaiting task was cancelled meanwhile
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            set_exception(future, error)
 
-    def on_error(error: Exception) -> None:
-        loop.call_soon_threadsafe(settle, future.set_exception, error)
+    def pass_on(value: Any, error: BaseException | None) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop is closed: nobody is left to receive it
+            logger.warning("rxcoord: event loop closed before a run() outcome arrived")
 
     def on_completed() -> None:
         if last:
-            loop.call_soon_threadsafe(settle, future.set_result, last[-1])
+            pass_on(last[-1], None)
         else:
-            on_error(SequenceContainsNoElementsError())
+            pass_on(None, SequenceContainsNoElementsError())
+
+    def on_error(error: Exception) -> None:
+        pass_on(None, error)
 
     subscription = source.subscribe(last.append, on_error, on_completed)
     try:
@@ -398,9 +409,10 @@ class LeaseProvider(Closeable):
         ``LockTimeout`` when waiting past ``timeout``; ``LeaseStoreUnavailable``.
         Disposing the subscription cancels a pending wait; a running job is not interrupted
         (check ``lease.lost`` or use ``keep_alive``), but its result is dropped.
-        ``await provider.run(...)`` runs it all on its own thread (never the event loop's) and
-        returns the result; skipped (``wait=False``), it raises
-        ``SequenceContainsNoElementsError``, as awaiting any empty Observable does.
+        ``await provider.run(...)`` runs it all on a thread of its own (or on ``scheduler``,
+        if given: not the awaiting loop's, which the wait would block) and returns the result;
+        skipped (``wait=False``), it raises ``SequenceContainsNoElementsError``, as awaiting
+        any empty Observable does.
 
         Raises:
             ValueError: Bad arguments (raised here, not on subscription).
@@ -438,6 +450,12 @@ class LeaseProvider(Closeable):
                     lease._release_quietly()
                     observer.on_error(exc)
                     return
+                except BaseException as exc:  # SystemExit, a CancelledError from asyncio.run...
+                    lease._release_quietly()  # never kept (and kept alive) by a dead job
+                    failure = RuntimeError(f"the job raised {exc!r}")
+                    failure.__cause__ = exc
+                    observer.on_error(failure)
+                    raise
                 try:
                     if lease.held:
                         lease.release()

@@ -316,3 +316,37 @@ async def test_awaiting_run_runs_the_job_off_the_loop(backend: Backend, name: st
     with pytest.raises(SequenceContainsNoElementsError):  # taken, wait=False: skipped
         await leases.run(name, job)
     holder.release()
+
+
+async def test_awaiting_run_reports_a_stop_iteration_instead_of_hanging(
+    leases: LeaseProvider, name: str
+) -> None:
+    def job(lease: DistributedLease) -> int:
+        return next(iter(()))
+
+    async with asyncio.timeout(10):
+        with pytest.raises(RuntimeError, match="StopIteration") as raised:
+            await leases.run(name, job)
+    assert isinstance(raised.value.__cause__, StopIteration)
+    assert leases.stats().held == 0
+
+
+# The SystemExit still ends its worker thread, as it would have without rxcoord.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_run_job_dying_of_a_base_exception_releases_the_lease(
+    backend: Backend, name: str
+) -> None:
+    # Before: the lease was neither released nor reported (kept alive forever with keep_alive).
+    leases = backend.new()
+
+    def job(lease: DistributedLease) -> None:
+        raise SystemExit(3)  # ends only the worker thread
+
+    async with asyncio.timeout(10):
+        with pytest.raises(RuntimeError, match="SystemExit") as raised:
+            await leases.run(name, job, keep_alive=True)
+    assert isinstance(raised.value.__cause__, SystemExit)
+    assert leases.stats().held == 0
+    other = backend.new().try_acquire(name, 5.0)
+    assert other is not None
+    other.release()
