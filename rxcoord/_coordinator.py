@@ -55,7 +55,7 @@ from reactivex.scheduler.eventloop import AsyncIOScheduler
 from reactivex.subject import Subject
 
 from ._errors import CoordinatorClosed, TooManyTasks
-from ._futures import set_exception
+from ._futures import FutureObserver
 from ._lifecycle import Closeable, CoordinatorState
 from ._pool import WorkerPool, hand_off
 from ._timer import call_later
@@ -257,7 +257,7 @@ class _Execution(Observable[_T]):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[_T] = loop.create_future()
         subscription = self._submit(
-            self._job, self._key, self._timeout, self._is_async, _Resolver(future), None
+            self._job, self._key, self._timeout, self._is_async, FutureObserver(future), None
         )
 
         def on_done(f: asyncio.Future[_T]) -> None:
@@ -266,27 +266,6 @@ class _Execution(Observable[_T]):
 
         future.add_done_callback(on_done)
         return future.__await__()
-
-
-class _Resolver(abc.ObserverBase[Any]):
-    """Resolves an asyncio future with a submission's outcome (delivered on its loop)."""
-
-    __slots__ = ("_future", "_value")
-
-    def __init__(self, future: asyncio.Future[Any]) -> None:
-        self._future = future
-        self._value: Any = None
-
-    def on_next(self, value: Any) -> None:
-        self._value = value
-
-    def on_error(self, error: Exception) -> None:
-        if not self._future.done():
-            set_exception(self._future, error)
-
-    def on_completed(self) -> None:
-        if not self._future.done():
-            self._future.set_result(self._value)
 
 
 class _Callbacks(abc.ObserverBase[Any]):

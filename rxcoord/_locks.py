@@ -125,6 +125,7 @@ from reactivex.observer.autodetachobserver import AutoDetachObserver
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 
 from ._errors import LeaseReleasedError, LockTimeout
+from ._futures import FutureObserver
 from ._pool import WorkerPool, hand_off
 from ._timer import TimerHandle, call_later
 
@@ -1237,7 +1238,7 @@ class KeyedLocks:
             acquisition.start()
             return Disposable(sink.dispose)
 
-        return Observable(subscribe)
+        return _RunRequest(subscribe)
 
 
 # -- delivery ----------------------------------------------------------------------------------
@@ -1290,6 +1291,20 @@ class _LeaseRequest(Observable[Lease]):
     def __await__(self) -> Generator[Any, None, Lease]:
         locks, keys, timeout = self._request
         return locks._acquire_async(Lease(locks, keys), timeout).__await__()
+
+
+class _RunRequest(Observable[Any]):
+    """What ``run*`` return: ``await`` resolves on the loop like reactivex's, via
+    :class:`FutureObserver` (a ``StopIteration`` from ``fn`` arrives as a ``RuntimeError``
+    instead of breaking the future)."""
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        subscription = self.subscribe(FutureObserver(future))  # delivered on this loop
+        try:
+            return (yield from future)
+        finally:
+            subscription.dispose()
 
 
 class _AsyncHold:

@@ -654,3 +654,18 @@ def test_reentering_a_hold_lease_after_release_still_says_released() -> None:
         pass
     with pytest.raises(RuntimeError, match="already released"):
         lease.__enter__()
+
+
+async def test_awaiting_run_whose_fn_raises_stop_iteration_raises_a_runtime_error() -> None:
+    # reactivex's await turned it into a TypeError from asyncio ("StopIteration interacts
+    # badly with generators"), hiding the job's own error.
+    locks = KeyedLocks()
+
+    def fn() -> int:
+        return next(iter(()))
+
+    async with asyncio.timeout(WAIT):
+        with pytest.raises(RuntimeError, match="StopIteration") as raised:
+            await locks.run("a", fn)
+    assert isinstance(raised.value.__cause__, StopIteration)
+    assert len(locks) == 0
