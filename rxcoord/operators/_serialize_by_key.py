@@ -34,9 +34,10 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any, Final, Generic, TypeVar
 
-from reactivex import Observable, abc, from_future
+from reactivex import Observable, Observer, abc, from_future
 from reactivex.disposable import Disposable, SingleAssignmentDisposable
 from reactivex.internal.utils import is_future
+from reactivex.subject import Subject
 
 __all__ = ["SerializedSubscription", "serialize_by_key", "subscribe_serialized"]
 
@@ -133,7 +134,15 @@ def subscribe_serialized(
     Rx subscription cannot express.
     """
     sink = _Sink(observer, None, key_mapper, mapper, _check_cap(max_concurrent))
-    sink.run(source)
+    if type(source) is Subject:
+        # A plain Subject emits nothing while it is subscribed, so Observable.subscribe's
+        # AutoDetachObserver and trampoline pass buy nothing; they were most of the cost of
+        # creating a coordinator (TenantScheduler creates one per tenant that wakes up).
+        sink._source_sub.disposable = source._subscribe_core(
+            Observer(sink._on_source_next, sink._on_source_error, sink._on_source_completed)
+        )
+    else:
+        sink.run(source)
     return sink
 
 
