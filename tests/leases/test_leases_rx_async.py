@@ -12,7 +12,13 @@ from reactivex import operators as ops
 from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.scheduler import ImmediateScheduler
 
-from rxcoord.leases import DistributedLease, LeaseLost, LeaseProvider, LockTimeout
+from rxcoord.leases import (
+    DistributedLease,
+    LeaseLost,
+    LeaseProvider,
+    LockTimeout,
+    MemoryLeases,
+)
 
 from .conftest import Backend, wait_until
 
@@ -350,3 +356,30 @@ async def test_a_run_job_dying_of_a_base_exception_releases_the_lease(
     other = backend.new().try_acquire(name, 5.0)
     assert other is not None
     other.release()
+
+
+def test_run_awaited_on_a_loop_closed_before_the_job_ends(name: str) -> None:
+    # The outcome has nowhere to go: dropped with a warning, never an exception on the worker
+    # thread (which pytest reports as an unhandled thread exception), and the lease released.
+    leases = MemoryLeases()
+    started, finish = threading.Event(), threading.Event()
+    finished: list[int] = []
+
+    def job(lease: DistributedLease) -> int:
+        started.set()
+        assert finish.wait(10)
+        finished.append(lease.token)
+        return 42
+
+    async def awaiter() -> int:
+        return await leases.run(name, job)
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(awaiter())
+    loop.run_until_complete(asyncio.sleep(0))
+    assert started.wait(10)
+    loop.close()  # a hand-run loop torn down while its task still waits
+    finish.set()
+    wait_until(lambda: bool(finished) and leases.stats().held == 0, what="the job's end")
+    del task
+    leases.close()
