@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import threading
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, TypeVar
 
-from reactivex import abc
+from loguru import logger
+from reactivex import Observable, abc
 from reactivex.internal.exceptions import SequenceContainsNoElementsError
 
-__all__ = ["FutureObserver", "set_exception"]
+__all__ = [
+    "AwaitableObservable",
+    "FutureObserver",
+    "LoopObserver",
+    "last_value",
+    "set_exception",
+]
+
+_T = TypeVar("_T")
 
 
 def set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
@@ -56,3 +67,89 @@ class FutureObserver(abc.ObserverBase[Any]):
             self._future.set_result(self._value)
         else:
             self._future.set_exception(SequenceContainsNoElementsError())
+
+
+class LoopObserver(abc.ObserverBase[Any]):
+    """Passes a subscriber's notifications on from its asyncio loop's thread.
+
+    An observer that resolves an asyncio future (``await``) must be called on the future's loop:
+    called on another thread, ``set_result`` would not even wake the loop (asyncio futures are not
+    thread-safe). Notifications made on the loop thread go through at once, unless earlier
+    ones are still queued (then they queue too, to keep the order).
+    """
+
+    __slots__ = ("_lock", "_loop", "_observer", "_queued")
+
+    def __init__(self, observer: abc.ObserverBase[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self._observer = observer
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._queued = 0
+
+    def on_next(self, value: Any) -> None:
+        self._forward(self._observer.on_next, value)
+
+    def on_error(self, error: Exception) -> None:
+        self._forward(self._observer.on_error, error)
+
+    def on_completed(self) -> None:
+        self._forward(self._observer.on_completed)
+
+    def _forward(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        on_loop = asyncio._get_running_loop() is loop
+        with self._lock:
+            direct = on_loop and not self._queued
+            if not direct:
+                self._queued += 1
+        if direct:
+            fn(*args)
+            return
+        try:
+            loop.call_soon_threadsafe(self._run, fn, args)
+        except RuntimeError:  # the loop is closed: nobody is left to receive it
+            with self._lock:
+                self._queued -= 1
+            logger.warning("rxcoord: event loop closed before a notification arrived")
+
+    def _run(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._queued -= 1
+        fn(*args)
+
+
+class AwaitableObservable(Observable[_T]):
+    """An Observable whose ``await`` is ``awaiting()`` instead of reactivex's ``to_future``.
+
+    reactivex resolves its future from whatever thread notifies and knows nothing of the
+    resources an Observable hands out; rxcoord's Observables that block, hop threads or emit
+    leases say here how to await them safely.
+    """
+
+    def __init__(
+        self,
+        subscribe: Callable[[abc.ObserverBase[_T], abc.SchedulerBase | None], abc.DisposableBase],
+        awaiting: Callable[[], Awaitable[_T]],
+    ) -> None:
+        super().__init__(subscribe)
+        self._awaiting = awaiting
+
+    def __await__(self) -> Generator[Any, None, _T]:
+        return self._awaiting().__await__()
+
+
+async def last_value(source: Observable[_T]) -> _T:
+    """Await ``source``'s last value, whatever threads it notifies on.
+
+    As reactivex's ``await`` (``SequenceContainsNoElementsError`` when it completes empty),
+    but notifications are passed to the loop thread-safely and a ``StopIteration`` error
+    arrives as :func:`set_exception` says. Cancelling the awaiting task disposes the
+    subscription.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+    subscription = source.subscribe(LoopObserver(FutureObserver(future), loop))
+    try:
+        return await future
+    finally:
+        subscription.dispose()

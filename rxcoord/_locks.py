@@ -113,7 +113,7 @@ import inspect
 import math
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeAlias, TypeVar, overload
@@ -125,7 +125,7 @@ from reactivex.observer.autodetachobserver import AutoDetachObserver
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 
 from ._errors import LeaseReleasedError, LockTimeout
-from ._futures import FutureObserver
+from ._futures import AwaitableObservable, LoopObserver, last_value
 from ._pool import WorkerPool, hand_off
 from ._timer import TimerHandle, call_later
 
@@ -1215,7 +1215,12 @@ class KeyedLocks:
             )
             return acquisition.start()
 
-        return _LeaseRequest(subscribe, self, keys, timeout)
+        # ``await``: the hold_async path, not reactivex's (which resolves its future from the
+        # delivering thread, never waking the loop with ``scheduler=``, and drops a lease
+        # granted just before the awaiting task is cancelled: held forever).
+        return AwaitableObservable(
+            subscribe, lambda: self._acquire_async(Lease(self, keys), timeout)
+        )
 
     def _run(
         self,
@@ -1231,14 +1236,19 @@ class KeyedLocks:
             # from its thread (``fn`` itself still runs on the granting thread or scheduler).
             loop = _subscriber_loop(default)
             if loop is not None:
-                observer = _LoopObserver(observer, loop)
+                observer = LoopObserver(observer, loop)
             sink = _RunSink(self, fn, observer, loop)
             acquisition = _Acquisition(Lease(self, keys), sink, scheduler, timeout)
             sink.acquisition = acquisition
             acquisition.start()
             return Disposable(sink.dispose)
 
-        return _RunRequest(subscribe)
+        # ``await``: like reactivex's, but a StopIteration from ``fn`` arrives as a RuntimeError
+        # instead of breaking the future (see rxcoord._futures).
+        observable: AwaitableObservable[Any] = AwaitableObservable(
+            subscribe, lambda: last_value(observable)
+        )
+        return observable
 
 
 # -- delivery ----------------------------------------------------------------------------------
@@ -1264,47 +1274,6 @@ def _notify(granted: list[Lease]) -> None:
         if rest:
             _grant_off(lambda: _notify(rest))
         raise
-
-
-class _LeaseRequest(Observable[Lease]):
-    """What ``acquire*`` return: an Observable of one lease that is also safe to ``await``.
-
-    reactivex's own ``await`` would resolve its future from whatever thread delivers (with
-    ``scheduler=`` that is not the loop's, and the loop is never woken), and a task cancelled
-    after the grant but before it resumed would drop the lease, held forever. Awaiting takes
-    the path of :meth:`KeyedLocks.hold_async` instead, which withdraws or releases on
-    cancellation.
-    """
-
-    def __init__(
-        self,
-        subscribe: Callable[
-            [abc.ObserverBase[Lease], abc.SchedulerBase | None], abc.DisposableBase
-        ],
-        locks: KeyedLocks,
-        keys: tuple[Hashable, ...],
-        timeout: float | None,
-    ) -> None:
-        super().__init__(subscribe)
-        self._request = (locks, keys, timeout)
-
-    def __await__(self) -> Generator[Any, None, Lease]:
-        locks, keys, timeout = self._request
-        return locks._acquire_async(Lease(locks, keys), timeout).__await__()
-
-
-class _RunRequest(Observable[Any]):
-    """What ``run*`` return: ``await`` resolves on the loop like reactivex's, via
-    :class:`FutureObserver` (a ``StopIteration`` from ``fn`` arrives as a ``RuntimeError``
-    instead of breaking the future)."""
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        subscription = self.subscribe(FutureObserver(future))  # delivered on this loop
-        try:
-            return (yield from future)
-        finally:
-            subscription.dispose()
 
 
 class _AsyncHold:
@@ -1653,55 +1622,6 @@ class _Acquisition:
         except Exception:  # a disposed scheduler, a closed loop: tell the subscriber here
             logger.opt(exception=True).error("rxcoord: could not schedule an error delivery")
         self.target.on_error(error)
-
-
-class _LoopObserver(abc.ObserverBase[Any]):
-    """Passes a subscriber's notifications on from its asyncio loop's thread.
-
-    ``await locks.run(...)`` resolves an asyncio future in ``on_completed``: called on the
-    granting thread, ``set_result`` would not even wake the loop (asyncio futures are not
-    thread-safe). Notifications made on the loop thread go through at once, unless earlier
-    ones are still queued (then they queue too, to keep the order).
-    """
-
-    __slots__ = ("_lock", "_loop", "_observer", "_queued")
-
-    def __init__(self, observer: abc.ObserverBase[Any], loop: asyncio.AbstractEventLoop) -> None:
-        self._observer = observer
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._queued = 0
-
-    def on_next(self, value: Any) -> None:
-        self._forward(self._observer.on_next, value)
-
-    def on_error(self, error: Exception) -> None:
-        self._forward(self._observer.on_error, error)
-
-    def on_completed(self) -> None:
-        self._forward(self._observer.on_completed)
-
-    def _forward(self, fn: Callable[..., None], *args: Any) -> None:
-        loop = self._loop
-        on_loop = asyncio._get_running_loop() is loop
-        with self._lock:
-            direct = on_loop and not self._queued
-            if not direct:
-                self._queued += 1
-        if direct:
-            fn(*args)
-            return
-        try:
-            loop.call_soon_threadsafe(self._run, fn, args)
-        except RuntimeError:  # the loop is closed: nobody is left to receive it
-            with self._lock:
-                self._queued -= 1
-            logger.warning("rxcoord: event loop closed before a run() notification arrived")
-
-    def _run(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._queued -= 1
-        fn(*args)
 
 
 def _subscriber_loop(scheduler: abc.SchedulerBase | None) -> asyncio.AbstractEventLoop | None:

@@ -27,11 +27,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from abc import abstractmethod
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from time import monotonic
-from typing import Any, Final, Literal, TypeVar
+from typing import Final, Literal, TypeVar
 
 from loguru import logger
 from reactivex import Observable, abc
@@ -40,7 +40,7 @@ from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.scheduler import NewThreadScheduler
 
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
-from rxcoord._futures import set_exception
+from rxcoord._futures import AwaitableObservable, last_value
 from rxcoord._lifecycle import Closeable
 
 from ._background import Background
@@ -51,7 +51,6 @@ from ._validate import check_lease_args, check_timeout
 __all__ = ["LeaseProvider", "LeaseProviderStats"]
 
 _R = TypeVar("_R")
-_T = TypeVar("_T")
 
 _OPEN: Final = "open"
 _CLOSING: Final = "closing"
@@ -141,68 +140,6 @@ class _Cancel:
             cancelled = self.cancelled
         if cancelled:
             watch.fire()
-
-
-class _Awaitable(Observable[_T]):
-    """What ``run`` and ``acquire_rx`` return: an Observable that is also safe to ``await``.
-
-    Awaited through reactivex, the subscription's scheduler would be the event loop's, so the
-    blocking wait (and ``run``'s job) would run on the loop's own thread, and a task cancelled
-    after ``acquire_rx``'s grant would drop the lease. ``await`` takes ``awaiting()`` instead:
-    :meth:`LeaseProvider.acquire_async` for ``acquire_rx``, and for ``run`` the subscription
-    itself on its own thread, its outcome passed to the loop thread-safely.
-    """
-
-    def __init__(
-        self,
-        subscribe: Callable[[abc.ObserverBase[_T], abc.SchedulerBase | None], abc.DisposableBase],
-        awaiting: Callable[[], Coroutine[Any, Any, _T]],
-    ) -> None:
-        super().__init__(subscribe)
-        self._awaiting = awaiting
-
-    def __await__(self) -> Generator[Any, None, _T]:
-        return self._awaiting().__await__()
-
-
-async def _await_threadsafe(source: Observable[_T]) -> _T:
-    """The last value of ``source``, whose notifications may come on any thread.
-
-    Cancelling the awaiting task disposes the subscription. Completing empty raises
-    ``SequenceContainsNoElementsError``, as awaiting any reactivex Observable does.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[_T] = loop.create_future()
-    last: list[_T] = []
-
-    def settle(value: Any, error: BaseException | None) -> None:
-        if future.done():  # the awaiting task was cancelled meanwhile
-            return
-        if error is None:
-            future.set_result(value)
-        else:
-            set_exception(future, error)
-
-    def pass_on(value: Any, error: BaseException | None) -> None:
-        try:
-            loop.call_soon_threadsafe(settle, value, error)
-        except RuntimeError:  # the loop is closed: nobody is left to receive it
-            logger.warning("rxcoord: event loop closed before a run() outcome arrived")
-
-    def on_completed() -> None:
-        if last:
-            pass_on(last[-1], None)
-        else:
-            pass_on(None, SequenceContainsNoElementsError())
-
-    def on_error(error: Exception) -> None:
-        pass_on(None, error)
-
-    subscription = source.subscribe(last.append, on_error, on_completed)
-    try:
-        return await future
-    finally:
-        subscription.dispose()
 
 
 class LeaseProvider(Closeable):
@@ -470,7 +407,11 @@ class LeaseProvider(Closeable):
             chosen = scheduler or scheduler_ or NewThreadScheduler()
             return CompositeDisposable(chosen.schedule(action), Disposable(cancel.set))
 
-        observable: _Awaitable[_R] = _Awaitable(subscribe, lambda: _await_threadsafe(observable))
+        # ``await``: the subscription itself, on a thread of its own (through reactivex, the
+        # wait and the job would run on the awaiting loop's thread), its outcome passed to the loop.
+        observable: AwaitableObservable[_R] = AwaitableObservable(
+            subscribe, lambda: last_value(observable)
+        )
         return observable
 
     async def _try_acquire_or_empty(
@@ -552,14 +493,16 @@ class LeaseProvider(Closeable):
             chosen = scheduler or scheduler_ or NewThreadScheduler()
             return CompositeDisposable(chosen.schedule(action), Disposable(cancel.set))
 
+        # ``await``: acquire_async (through reactivex, the wait would block the awaiting loop, and
+        # a task cancelled after the grant would drop the lease).
         if wait:
-            return _Awaitable(
+            return AwaitableObservable(
                 subscribe,
                 lambda: self.acquire_async(
                     name, most, least, timeout=wait_for, keep_alive=keep_alive
                 ),
             )
-        return _Awaitable(
+        return AwaitableObservable(
             subscribe, lambda: self._try_acquire_or_empty(name, most, least, keep_alive)
         )
 
