@@ -121,17 +121,23 @@ class ThrowawayRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[ThrowawayRedis]:
-    """A Redis server this session may stop and start (store-restart tests)."""
+def start_redis(*, persistent: bool = False) -> ThrowawayRedis:
+    """A throwaway redis-server on a free port, started; skips (or fails in CI) without one."""
     binary = shutil.which("redis-server")
     if binary is None:
         backend_unavailable(
             "redis-server not found: install the Debian package 'redis-server' "
             "(apt-get install redis-server)"
         )
-    server = ThrowawayRedis(binary)
+    server = ThrowawayRedis(binary, persistent=persistent)
     server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[ThrowawayRedis]:
+    """A Redis server this session may stop and start (store-restart tests)."""
+    server = start_redis()
     try:
         yield server
     finally:

@@ -8,7 +8,6 @@ apart from the process, so it has nothing to lose or restart (explicit skips bel
 
 from __future__ import annotations
 
-import shutil
 import sqlite3
 import threading
 import time
@@ -31,8 +30,8 @@ from rxcoord.leases import (
 from .conftest import (
     ThrowawayPostgres,
     ThrowawayRedis,
-    backend_unavailable,
     drop_table,
+    start_redis,
     wait_until,
 )
 
@@ -219,14 +218,7 @@ def test_tokens_survive_a_store_crash(store: Store) -> None:
 
 @pytest.fixture
 def persistent_redis() -> Iterator[ThrowawayRedis]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        backend_unavailable(
-            "redis-server not found: install the Debian package 'redis-server' "
-            "(apt-get install redis-server)"
-        )
-    server = ThrowawayRedis(binary, persistent=True)
-    server.start()
+    server = start_redis(persistent=True)
     try:
         yield server
     finally:

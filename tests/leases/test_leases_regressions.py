@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import threading
 import uuid
@@ -37,8 +36,8 @@ from .conftest import (
     Backend,
     ThrowawayPostgres,
     ThrowawayRedis,
-    backend_unavailable,
     drop_table,
+    start_redis,
     wait_until,
 )
 
@@ -170,14 +169,7 @@ def test_a_frozen_postgres_fails_calls_reports_loss_and_lets_close_return(
 @pytest.fixture
 def own_redis() -> Iterator[ThrowawayRedis]:
     """A Redis server of this test's own, to freeze."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        backend_unavailable(
-            "redis-server not found: install the Debian package 'redis-server' "
-            "(apt-get install redis-server)"
-        )
-    server = ThrowawayRedis(binary)
-    server.start()
+    server = start_redis()
     try:
         yield server
     finally:
