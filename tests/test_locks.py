@@ -15,11 +15,12 @@ import gc
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import reactivex
+from locks_support import is_free
 from loguru import logger
 from reactivex import Observable, abc
 from reactivex import operators as ops
@@ -68,15 +69,6 @@ class Recorder(abc.ObserverBase[Lease]):
 def watch(source: Observable[Lease]) -> tuple[Recorder, abc.DisposableBase]:
     recorder = Recorder()
     return recorder, source.subscribe(recorder)
-
-
-def is_free(locks: KeyedLocks, key: Hashable) -> bool:
-    """True if a try-lock on ``key`` succeeds right now (and it is released at once)."""
-    try:
-        with locks.hold(key, timeout=0):
-            return True
-    except LockTimeout:
-        return False
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> None:

@@ -9,19 +9,12 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from locks_support import is_free
 
 from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LockTimeout
 
 WAIT = 10.0
-
-
-def is_free(locks: KeyedLocks, key: str) -> bool:
-    try:
-        with locks.hold(key, timeout=0):
-            return True
-    except LockTimeout:
-        return False
 
 
 async def until(predicate: Callable[[], bool]) -> None:

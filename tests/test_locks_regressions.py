@@ -11,10 +11,11 @@ import concurrent.futures
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from locks_support import is_free
 from reactivex import abc
 from reactivex import operators as ops
 from reactivex.scheduler import EventLoopScheduler, ThreadPoolScheduler
@@ -24,15 +25,6 @@ from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LockTimeout
 
 WAIT = 10.0
-
-
-def is_free(locks: KeyedLocks, key: Hashable) -> bool:
-    """True if a try-lock on ``key`` succeeds right now (and it is released at once)."""
-    try:
-        with locks.hold(key, timeout=0):
-            return True
-    except LockTimeout:
-        return False
 
 
 def wait_for(predicate: Callable[[], bool]) -> None:
