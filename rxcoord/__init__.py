@@ -16,6 +16,7 @@ rxcoord logs with loguru and, as a library, is silent until you call
 from loguru import logger as _logger
 
 from ._coordinator import CoordinatorStats, TenantTaskCoordinator
+from ._core.lifecycle import CoordinatorState
 from ._errors import (
     CoordinatorClosed,
     LeaseError,
@@ -28,7 +29,6 @@ from ._errors import (
     StaleToken,
     TooManyTasks,
 )
-from ._lifecycle import CoordinatorState
 from ._locks import KeyedLocks, KeyedLocksStats, Lease
 from ._tenant_scheduler import SchedulerStats, TenantScheduler
 from .operators import serialize_by_key

@@ -54,11 +54,11 @@ from reactivex.scheduler import VirtualTimeScheduler
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 from reactivex.subject import Subject
 
+from ._core.futures import FutureObserver
+from ._core.lifecycle import Closeable, CoordinatorState
+from ._core.timer import call_later
+from ._core.workers import WorkerPool, hand_off
 from ._errors import CoordinatorClosed, TooManyTasks
-from ._futures import FutureObserver
-from ._lifecycle import Closeable, CoordinatorState
-from ._pool import WorkerPool, hand_off
-from ._timer import call_later
 from .operators._serialize_by_key import SerializedSubscription, subscribe_serialized
 
 if TYPE_CHECKING:

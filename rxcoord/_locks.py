@@ -86,7 +86,7 @@ subscriber runs -> releases -> ..." is a loop, not a recursion. If a delivery ra
 delivered (on the grant workers) before it propagates.
 
 Timeouts of ``acquire`` subscriptions fire on rxcoord's shared timer thread, which only withdraws
-the request. The ``LockTimeout`` goes to rxcoord's shared delivery workers (``_pool.hand_off``);
+the request. The ``LockTimeout`` goes to rxcoord's shared delivery workers (``hand_off``);
 the grants the withdrawal unblocks go to KeyedLocks' own grant workers, because their
 subscribers' work (``on_next``, ``run``'s ``fn``) runs as long as it likes and must not delay
 the process's other timeouts.
@@ -124,10 +124,10 @@ from reactivex.disposable import Disposable, SingleAssignmentDisposable
 from reactivex.observer.autodetachobserver import AutoDetachObserver
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 
+from ._core.futures import AwaitableObservable, LoopObserver, last_value
+from ._core.timer import TimerHandle, call_later
+from ._core.workers import WorkerPool, hand_off
 from ._errors import LeaseReleasedError, LockTimeout
-from ._futures import AwaitableObservable, LoopObserver, last_value
-from ._pool import WorkerPool, hand_off
-from ._timer import TimerHandle, call_later
 
 __all__ = ["KeyedLocks", "KeyedLocksStats", "Lease"]
 
@@ -1244,7 +1244,7 @@ class KeyedLocks:
             return Disposable(sink.dispose)
 
         # ``await``: like reactivex's, but a StopIteration from ``fn`` arrives as a RuntimeError
-        # instead of breaking the future (see rxcoord._futures).
+        # instead of breaking the future (see rxcoord._core.futures).
         observable: AwaitableObservable[Any] = AwaitableObservable(
             subscribe, lambda: last_value(observable)
         )

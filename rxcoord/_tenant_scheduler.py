@@ -46,10 +46,10 @@ from ._coordinator import (
     _validate_count,
     _validate_timeout,
 )
+from ._core.lifecycle import Closeable, CoordinatorState
+from ._core.timer import TimerHandle, call_later
+from ._core.workers import WorkerPool
 from ._errors import CoordinatorClosed
-from ._lifecycle import Closeable, CoordinatorState
-from ._pool import WorkerPool
-from ._timer import TimerHandle, call_later
 
 __all__ = ["SchedulerStats", "TenantScheduler"]
 

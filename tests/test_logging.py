@@ -6,7 +6,7 @@ import threading
 
 from loguru import logger
 
-from rxcoord._timer import Timers
+from rxcoord._core.timer import Timers
 
 
 def _log_from_rxcoord() -> None:
@@ -33,6 +33,6 @@ def test_silent_by_default_and_shown_after_enable() -> None:
             _log_from_rxcoord()
         finally:
             logger.disable("rxcoord")
-        assert any("rxcoord._timer: rxcoord timer callback failed" in m for m in messages)
+        assert any("rxcoord._core.timer: rxcoord timer callback failed" in m for m in messages)
     finally:
         logger.remove(sink)

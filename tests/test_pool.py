@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from rxcoord._pool import WorkerPool, hand_off
+from rxcoord._core.workers import WorkerPool, hand_off
 
 
 def test_runs_work_on_at_most_max_workers_threads() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from rxcoord._timer import Timers
+from rxcoord._core.timer import Timers
 
 
 def test_timers_fire_in_deadline_order_on_one_thread() -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Final
 
 from loguru import logger
 
-from rxcoord._timer import TimerHandle, call_later
+from rxcoord._core.timer import TimerHandle, call_later
 
 if TYPE_CHECKING:
     from ._lease import DistributedLease

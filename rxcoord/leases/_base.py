@@ -39,9 +39,9 @@ from reactivex.disposable import CompositeDisposable, Disposable
 from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.scheduler import NewThreadScheduler
 
+from rxcoord._core.futures import AwaitableObservable, last_value
+from rxcoord._core.lifecycle import Closeable
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
-from rxcoord._futures import AwaitableObservable, last_value
-from rxcoord._lifecycle import Closeable
 
 from ._background import Background
 from ._lease import DistributedLease
