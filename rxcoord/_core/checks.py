@@ -37,6 +37,7 @@ __all__ = [
     "MAX_SECONDS",
     "check_count",
     "check_deadline",
+    "check_hashable",
     "check_delay",
     "check_length",
     "check_name",
@@ -181,4 +182,4 @@ def check_hashable(value: object, what: str) -> Hashable:
         hash(value)
     except TypeError:
         raise TypeError(f"{what} must be hashable, not {type(value).__name__} {value!r}") from None
-    return value  # type: ignore[return-value]
+    return value
