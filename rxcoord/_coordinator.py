@@ -17,6 +17,11 @@ The shape is the Reactor original's, kept visible::
 * **The work.** Each task *is* the inner Observable its turn subscribes: subscribing it drops
   the task if it was cancelled while queued, or hands the job to the scheduler. That is one
   inner subscription and one hand-off per job, no operator layers per task.
+* **Admission and key guard.** Two seams, both optional and both given, never subclassed: an
+  :class:`~rxcoord.Admission` asked for a permit when a task's turn comes (the fair-share gate
+  of ``TenantScheduler``; a fleet-wide limit), and a :class:`~rxcoord.KeyGuard` a keyed job
+  enters on its own thread or task before it runs (``leases=``: a distributed lease per key).
+  The coordinator knows nothing of tenants or leases.
 * **Cancellation.** Reactor cancels through ``timeout(cancelSignal)``. Here the per-task signal
   is the task's own settled flag (a signal that remembers having fired, like an
   ``AsyncSubject``), checked when the task would start and when its job returns; an async job
@@ -42,10 +47,10 @@ import asyncio
 import contextlib
 import inspect
 import threading
-from collections.abc import Awaitable, Callable, Generator, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, overload
 
 from loguru import logger
 from reactivex import Observable, Observer, abc
@@ -54,15 +59,19 @@ from reactivex.scheduler import VirtualTimeScheduler
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 from reactivex.subject import Subject
 
-from ._core.futures import FutureObserver
+from ._admission import Admission, AdmissionTicket
+from ._core.checks import check_count, check_deadline, check_length, check_name
 from ._core.lifecycle import Closeable, CoordinatorState
 from ._core.timer import call_later
+from ._core.waiter import GRANTED, PENDING
 from ._core.workers import WorkerPool, hand_off
 from ._errors import CoordinatorClosed, TooManyTasks
+from ._execution import execution
+from ._key_guard import KeyGuard, LeaseKeyGuard
 from .operators._serialize_by_key import SerializedSubscription, subscribe_serialized
 
 if TYPE_CHECKING:
-    from .leases import DistributedLease, LeaseProvider
+    from .leases import LeaseProvider
 
 __all__ = ["CoordinatorStats", "TenantTaskCoordinator"]
 
@@ -74,7 +83,7 @@ _get_running_loop: Final = asyncio._get_running_loop  # C fast path, no exceptio
 _QUEUED: Final = 0
 _RUNNING: Final = 1
 _DONE: Final = 2
-_GATED: Final = 3  # its turn came, waiting for a global slot (TenantScheduler's gate)
+_GATED: Final = 3  # its turn came, waiting for its Admission's permit
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +136,7 @@ class _Task(abc.ObservableBase[None], abc.DisposableBase):
         "observer",
         "settled",
         "state",
+        "ticket",
         "timeout",
         "timer",
     )
@@ -155,6 +165,7 @@ class _Task(abc.ObservableBase[None], abc.DisposableBase):
         self.lane: abc.ObserverBase[None] | None = None  # serialize_by_key's observer of us
         self.handle: asyncio.Future[Any] | None = None  # a running async job
         self.timer: Callable[[], None] | None = None  # cancels the pending timeout
+        self.ticket: AdmissionTicket | None = None  # asked for, or holding, an admission permit
 
     # -- as the pipeline's inner Observable ------------------------------------------------------
 
@@ -183,181 +194,12 @@ _is_settled: Final = attrgetter("settled")  # a queued task cancelled: the pipel
 _PURGE_AT_LEAST: Final = 64  # tombstones (cancelled queued tasks) that make a purge worth it
 # What _settle leaves to do outside the lock: state, async handle, timer cancel, idle, purge.
 _Cleanup = tuple[int, "asyncio.Future[Any] | None", Any, bool, bool]
+_NO_TOKEN: Final = object()  # a job that entered no key guard
 _KEYED: Final = object()  # tags user keys so they can never equal an unkeyed task's own key
-
-
-class _Submit(Protocol):
-    def __call__(
-        self,
-        job: Callable[[], Any],
-        key: Hashable | None,
-        timeout: float | None,
-        is_async: bool,
-        observer: abc.ObserverBase[Any],
-        scheduler: abc.SchedulerBase | None,
-    ) -> abc.DisposableBase: ...
-
-
-class _Execution(Observable[_T]):
-    """The cold Observable ``execute`` returns: each subscription is one submission."""
-
-    def __init__(
-        self,
-        submit: _Submit,
-        job: Callable[[], Any],
-        key: Hashable | None,
-        timeout: float | None,
-        is_async: bool,
-    ) -> None:
-        super().__init__()
-        self._submit = submit  # TenantTaskCoordinator._submit, or TenantScheduler's for a tenant
-        self._job = job
-        self._key = key
-        self._timeout = timeout
-        self._is_async = is_async
-
-    def _subscribe_core(
-        self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
-    ) -> abc.DisposableBase:
-        return self._submit(
-            self._job, self._key, self._timeout, self._is_async, observer, scheduler
-        )
-
-    def subscribe(
-        self,
-        on_next: abc.ObserverBase[_T] | Callable[[_T], None] | None = None,
-        on_error: Callable[[Exception], None] | None = None,
-        on_completed: Callable[[], None] | None = None,
-        *,
-        scheduler: abc.SchedulerBase | None = None,
-    ) -> abc.DisposableBase:
-        """Submit the job once (same contract as ``Observable.subscribe``).
-
-        ``Observable.subscribe`` routes every subscription through an AutoDetachObserver and a
-        CurrentThreadScheduler trampoline pass, there so that synchronous emissions cannot
-        outrun the returned disposable; that is most of a trivial job's cost. A submission never
-        emits during subscribe (except a refusal, which needs no disposable), and the task
-        delivers at most one outcome and then holds nothing, so it subscribes directly.
-        """
-        if hasattr(on_next, "on_next"):
-            observer = cast(abc.ObserverBase[_T], on_next)
-        else:
-            observer = _Callbacks(on_next, on_error, on_completed)
-        return self._submit(
-            self._job, self._key, self._timeout, self._is_async, observer, scheduler
-        )
-
-    def __await__(self) -> Generator[Any, None, _T]:
-        """``await coordinator.execute(job)``: the job's result, or its exception.
-
-        Same outcome as reactivex's ``Observable.__await__``, minus its ``to_future`` operator
-        layer: the outcome is delivered on this loop straight into a future. Cancelling the
-        awaiting task cancels the job.
-        """
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[_T] = loop.create_future()
-        subscription = self._submit(
-            self._job, self._key, self._timeout, self._is_async, FutureObserver(future), None
-        )
-
-        def on_done(f: asyncio.Future[_T]) -> None:
-            if f.cancelled():
-                subscription.dispose()
-
-        future.add_done_callback(on_done)
-        return future.__await__()
-
-
-class _Callbacks(abc.ObserverBase[Any]):
-    """The observer behind ``subscribe(on_next, on_error, on_completed)`` callbacks."""
-
-    __slots__ = ("_on_completed", "_on_error", "_on_next")
-
-    def __init__(
-        self,
-        on_next: Callable[[Any], None] | None,
-        on_error: Callable[[Exception], None] | None,
-        on_completed: Callable[[], None] | None,
-    ) -> None:
-        self._on_next = on_next or _ignore
-        self._on_error = on_error or _unhandled
-        self._on_completed = on_completed or _nothing
-
-    def on_next(self, value: Any) -> None:
-        self._on_next(value)
-
-    def on_error(self, error: Exception) -> None:
-        self._on_error(error)
-
-    def on_completed(self) -> None:
-        self._on_completed()
-
-
-def _ignore(_: Any) -> None:
-    pass
-
-
-def _nothing() -> None:
-    pass
-
-
-def _unhandled(error: Exception) -> None:
-    # Like reactivex's default_error: an error nobody handles is raised (and logged by
-    # _deliver_now, so it is never silently lost).
-    raise error
-
-
-def _execution(
-    submit: _Submit,
-    job: Callable[[], Any],
-    key: Hashable | None,
-    timeout: float | None,
-    default_timeout: float | None,
-) -> _Execution[Any]:
-    """Validate ``execute``'s arguments at the call and build its cold Observable."""
-    if not callable(job):
-        raise TypeError(f"job must be callable, not {job!r}")
-    if key is not None:
-        hash(key)  # an unhashable key fails here, at the call
-    timeout = default_timeout if timeout is None else _validate_timeout(timeout, "timeout")
-    return _Execution(submit, job, key, timeout, inspect.iscoroutinefunction(job))
-
-
-def _validate_timeout(timeout: float | None, what: str) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(f"{what} must be a number of seconds or None, not {timeout!r}")
-    if not timeout > 0:
-        raise ValueError(f"{what} must be positive, got {timeout!r}")
-    return float(timeout)
-
-
-def _validate_count(value: int, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, not {value!r}")
-    if value < minimum:
-        raise ValueError(f"{what} must be at least {minimum}, got {value}")
-    return value
 
 
 def _identity(task: _Task) -> _Task:
     return task
-
-
-class _Gate(Protocol):
-    """A global admission limit shared by several coordinators (see TenantScheduler).
-
-    ``request`` queues a task whose turn came; the gate calls ``coordinator._granted(task)``
-    (outside its own lock) once a global slot is free. ``withdraw`` takes back a task that was
-    not granted yet; ``release`` returns a granted slot.
-    """
-
-    def request(self, lane: Any, task: _Task) -> None: ...
-
-    def withdraw(self, lane: Any, task: _Task) -> bool: ...
-
-    def release(self) -> None: ...
 
 
 class TenantTaskCoordinator(Closeable):
@@ -379,47 +221,73 @@ class TenantTaskCoordinator(Closeable):
     ``await coordinator.execute(job)`` works, and so does ``execute(job).run()``.
 
     The coordinator is thread-safe, a context manager and a ``reactivex`` Disposable
-    (``dispose()`` is :meth:`close`).
+    (``dispose()`` is :meth:`close`). Every parameter is keyword-only.
 
     Args:
         scheduler: Where sync jobs run; ``None`` for an owned pool of worker threads.
         max_concurrency: Most jobs running at once (>= 1).
         max_queue_size: Most jobs waiting beyond those running (>= 0).
-        name: Names the coordinator in errors, logs and thread names.
-        timeout: Default per-job timeout in seconds, counted from the job's start; ``None`` for
-            none. On expiry the subscriber gets ``TimeoutError`` and the job is cancelled.
+        name: Names the coordinator in errors, logs, thread names and lease names.
+        timeout: Default per-job timeout in seconds, counted from the job's start; ``None`` (or
+            ``inf``) for none. On expiry the subscriber gets ``TimeoutError`` and the job is
+            cancelled. (0 is refused: see ``rxcoord._core.checks`` for the one policy.)
         leases: A distributed lease provider (``rxcoord.leases``): keyed jobs then also hold
-            the lease named after their key while they run, so per-key exclusion holds across
-            processes.
+            the lease named ``"<name>:<key>"`` while they run, so per-key exclusion holds
+            across processes. Shorthand for ``key_guard=LeaseKeyGuard(leases, name, ...)``.
         lease_at_most_for: ``at_most_for`` of those leases (kept alive while the job runs).
+        key_guard: A :class:`~rxcoord.KeyGuard` every keyed job enters right before it runs
+            and exits when its work has ended (not with ``leases``).
+        admission: An :class:`~rxcoord.Admission` asked for a permit each time a job's turn
+            comes; the job runs once granted (counted as queued until then). ``None``: only
+            this coordinator's own limits apply.
+        on_idle: Called (outside the coordinator's lock, on the thread that finished the last
+            job) each time the work in progress drops to zero.
+        log_context: Extra fields bound to the coordinator's log records (loguru ``extra``),
+            e.g. ``{"tenant": tenant}``.
 
     Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: a limit or the timeout is out of range.
+        TypeError: an argument has the wrong type (``leases`` not a lease provider, ``name``
+            not a str, ...).
+        ValueError: a limit or a duration is out of range, or both ``leases`` and
+            ``key_guard`` are given.
     """
 
     def __init__(
         self,
+        *,
         scheduler: abc.SchedulerBase | None = None,
         max_concurrency: int = 1,
         max_queue_size: int = 50,
         name: str = "",
         timeout: float | None = None,
-        *,
         leases: LeaseProvider | None = None,
         lease_at_most_for: float = 30.0,
+        key_guard: KeyGuard | None = None,
+        admission: Admission | None = None,
+        on_idle: Callable[[], object] | None = None,
+        log_context: Mapping[str, Any] | None = None,
     ) -> None:
-        self._max_concurrency = _validate_count(max_concurrency, "max_concurrency", 1)
-        self._max_queue_size = _validate_count(max_queue_size, "max_queue_size", 0)
+        self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
+        self._max_queue_size = check_count(max_queue_size, "max_queue_size", 0)
         self._limit = max_concurrency + max_queue_size
-        self._name = name
-        self._timeout = _validate_timeout(timeout, "timeout")
-        self._log = logger.bind(coordinator=name)
-        self._leases = leases
-        lease_for = _validate_timeout(lease_at_most_for, "lease_at_most_for")
-        if lease_for is None:
-            raise TypeError("lease_at_most_for must be a number of seconds, not None")
-        self._lease_at_most_for = lease_for
+        self._name = check_name(name)
+        self._timeout = check_deadline(timeout)
+        self._log = logger.bind(coordinator=name, **(log_context or {}))
+        lease_for = check_length(lease_at_most_for, "lease_at_most_for")
+        if leases is not None:
+            if key_guard is not None:
+                raise ValueError("pass leases= or key_guard=, not both")
+            key_guard = LeaseKeyGuard(leases, name, lease_for)
+        self._guard = key_guard
+        if admission is not None and not isinstance(admission, Admission):
+            raise TypeError(
+                f"admission must implement rxcoord.Admission (request, withdraw, release), "
+                f"not {admission!r}"
+            )
+        self._admission = admission
+        if on_idle is not None and not callable(on_idle):
+            raise TypeError(f"on_idle must be callable or None, not {on_idle!r}")
+        self._on_idle = on_idle
         self._lock = threading.Lock()
         self._state = CoordinatorState.OPEN
         self._tasks: set[_Task] = set()  # unsettled or still running: what close() must reach
@@ -433,32 +301,32 @@ class TenantTaskCoordinator(Closeable):
         self._timed_out = 0
         self._tombstones = 0  # tasks cancelled while queued, still in the pipeline's queues
 
-        self._scheduler = scheduler
+        self._scheduler: abc.SchedulerBase | None = None
         self._pool: WorkerPool | None = None
+        self._owns_pool = False
         self._scheduler_loop: asyncio.AbstractEventLoop | None = None
         self._virtual: VirtualTimeScheduler | None = None
         if scheduler is None:
-            self._pool = self._make_pool()
+            self._pool = WorkerPool(max_concurrency, f"rxcoord-{name or 'coordinator'}")
+            self._owns_pool = True
+        elif isinstance(scheduler, WorkerPool):  # internal: a pool shared with its owner
+            self._pool = scheduler
         elif isinstance(scheduler, AsyncIOScheduler):
+            self._scheduler = scheduler
             self._scheduler_loop = scheduler._loop
         elif isinstance(scheduler, VirtualTimeScheduler):
-            self._virtual = scheduler
-        elif not isinstance(scheduler, abc.SchedulerBase):
+            self._scheduler = self._virtual = scheduler
+        elif isinstance(scheduler, abc.SchedulerBase):
+            self._scheduler = scheduler
+        else:
             raise TypeError(f"scheduler must be a reactivex scheduler or None, not {scheduler!r}")
 
         self._sink, self._pipeline = self._build_pipeline()
 
-    # Hooks for TenantScheduler's per-tenant coordinators: a shared pool, a global gate and a
-    # callback when the coordinator runs out of work.
-    _gate: _Gate | None = None
-    _gate_lane: Any = None
-    _owns_pool = True
-
-    def _make_pool(self) -> WorkerPool:
-        return WorkerPool(self._max_concurrency, f"rxcoord-{self._name or 'coordinator'}")
-
     def _became_idle(self) -> None:
-        """Called (outside the lock) each time the work in progress drops to zero."""
+        on_idle = self._on_idle
+        if on_idle is not None:
+            on_idle()
 
     def _build_pipeline(self) -> tuple[Subject[_Task], SerializedSubscription[_Task, None]]:
         """The sink, and the pipeline from it: per-key order and the cap; each task runs itself.
@@ -575,7 +443,7 @@ class TenantTaskCoordinator(Closeable):
                 number.
             ValueError: ``timeout`` is not positive.
         """
-        return _execution(self._submit, job, key, timeout, self._timeout)
+        return execution(self._submit, job, key, timeout, self._timeout)
 
     def close(self, wait: bool = True) -> None:
         """Close the coordinator; idempotent.
@@ -597,7 +465,8 @@ class TenantTaskCoordinator(Closeable):
         for task, cleanup in settled:
             self._after_settle(task, cleanup, error)
         self._pipeline.dispose()
-        if self._pool is not None and self._owns_pool:
+        if self._owns_pool:
+            assert self._pool is not None
             self._pool.shutdown(wait=wait)
         with self._lock:
             self._state = CoordinatorState.CLOSED
@@ -658,13 +527,13 @@ class TenantTaskCoordinator(Closeable):
 
     def _start(self, task: _Task) -> None:
         """The task's turn came (serialize_by_key subscribed it): start the job, or drop it."""
-        gate = self._gate
+        admission = self._admission
         with self._lock:
             if task.settled:  # cancelled (or closed) while queued: it never starts
                 task.state = _DONE
                 drop = True
                 self._tombstones = max(0, self._tombstones - 1)  # it has left the queue
-            elif gate is not None:
+            elif admission is not None:
                 task.state = _GATED
                 drop = False
             else:
@@ -674,10 +543,14 @@ class TenantTaskCoordinator(Closeable):
                 drop = False
         if drop:
             self._release_slot(task)
-        elif gate is not None:
-            gate.request(self._gate_lane, task)  # counted as queued until a global slot frees
-            # A dispose between the unlock above and the request could not withdraw the task
-            # (it was not at the gate yet): take it back now, or it would wait there for a turn.
+        elif admission is not None:
+            key = None if task.lane_key is task else task.lane_key[1]  # type: ignore[index]
+            ticket = AdmissionTicket(admission.release, key)
+            task.ticket = ticket
+            ticket._waiter.bind(lambda: self._admitted(task))
+            admission.request(ticket)  # counted as queued until the permit comes
+            # A dispose before the ticket existed could not withdraw it: take it back now, or
+            # it would wait for a permit nobody wants.
             with self._lock:
                 stranded = task.settled and task.state is _GATED
             if stranded and self._withdraw(task):
@@ -685,12 +558,17 @@ class TenantTaskCoordinator(Closeable):
         else:
             self._begin(task)
 
-    def _granted(self, task: _Task) -> bool:
-        """The gate gave ``task`` a global slot; False if it was cancelled meanwhile."""
+    def _admitted(self, task: _Task) -> None:
+        """The admission granted ``task``'s ticket (on the granting thread): run the job."""
+        ticket = task.ticket
+        assert ticket is not None
+        if ticket._waiter.take() is None:
+            return  # the task left first: the ticket gave the permit back, _withdraw cleaned up
         with self._lock:
             self._queued -= 1
-            if task.settled:
+            if task.settled:  # settled after the take: _withdraw found it taken, so we clean up
                 task.state = _DONE
+                task.ticket = None
                 self._tasks.discard(task)
                 idle = self._queued + self._running == 0
             else:
@@ -698,11 +576,11 @@ class TenantTaskCoordinator(Closeable):
                 self._running += 1
         if task.state is _DONE:
             self._release_slot(task)
+            ticket._release(ticket.permit)
             if idle:
                 self._became_idle()
-            return False
+            return
         self._begin(task)
-        return True
 
     def _begin(self, task: _Task) -> None:
         """Run the job now: arm its timeout (counted from here) and hand it off."""
@@ -727,39 +605,37 @@ class TenantTaskCoordinator(Closeable):
         job = task.job
         value: Any = None
         error: BaseException | None = None
-        lease: DistributedLease | None = None
+        guard = self._guard
+        token: Any = _NO_TOKEN
         if job is not None and not task.settled:  # not cancelled between hand-off and now
             try:
-                if self._leases is not None and task.lane_key is not task:
-                    # Keyed: hold the key's distributed lease too (blocking here is fine: this
-                    # thread is the job's), so the key is exclusive across processes as well.
-                    lease = self._leases.acquire(
-                        self._lease_name(task), self._lease_at_most_for, keep_alive=True
-                    )
+                if guard is not None and task.lane_key is not task:
+                    # Keyed: enter the key guard too (blocking here is fine: this thread is
+                    # the job's), so the key is exclusive beyond this coordinator as well.
+                    token = guard.enter(task.lane_key[1])  # type: ignore[index]
                 value = job()
             except BaseException as exc:  # the job's error goes to its subscriber
                 error = exc
             if error is None and (inspect.iscoroutine(value) or asyncio.isfuture(value)):
                 # ``lambda: fetch(i)`` is an async job in disguise: await what it returned
-                # (still under the lease, which is released when the awaitable is done).
-                self._continue_async(task, value, lease)
+                # (still under the guard, which is exited when the awaitable is done).
+                self._continue_async(task, value, token)
                 return
-            if lease is not None:
+            if token is not _NO_TOKEN:
+                assert guard is not None
                 try:
-                    lease.release()  # LeaseLost if it expired: the work may overlap another's
+                    guard.exit(token)  # LeaseLost if it expired: the work may overlap another's
                 except Exception as exc:
                     if error is None:
                         value, error = None, exc
                     else:
-                        self._log.opt(exception=True).warning("lease release failed")
+                        self._log.opt(exception=True).warning("leaving the key guard failed")
         self._finish(task, value, error)
 
-    def _continue_async(
-        self, task: _Task, awaitable: Any, lease: DistributedLease | None = None
-    ) -> None:
+    def _continue_async(self, task: _Task, awaitable: Any, token: Any = _NO_TOKEN) -> None:
         loop = self._scheduler_loop or task.loop
         if loop is None:
-            self._discard_awaitable(awaitable, lease)
+            self._discard_awaitable(awaitable, token)
             self._finish(
                 task,
                 None,
@@ -770,27 +646,29 @@ class TenantTaskCoordinator(Closeable):
             )
             return
         if task.settled:  # cancelled (or timed out) while the sync part ran
-            self._discard_awaitable(awaitable, lease)
+            self._discard_awaitable(awaitable, token)
             self._finish(task, None, None)
             return
         task.job_loop = loop
-        if lease is not None:
-            task.job = lambda: _awaited_then_released(awaitable, lease)
+        if token is not _NO_TOKEN:
+            guard = self._guard
+            assert guard is not None
+            task.job = lambda: _awaited_then_exited(awaitable, guard, token)
         else:
             task.job = lambda: awaitable
         try:
             self._start_async(task)
         except Exception as exc:  # e.g. the loop was closed meanwhile: tell the caller
-            self._discard_awaitable(awaitable, lease)
+            self._discard_awaitable(awaitable, token)
             self._finish(task, None, exc)
 
-    @staticmethod
-    def _discard_awaitable(awaitable: Any, lease: DistributedLease | None) -> None:
+    def _discard_awaitable(self, awaitable: Any, token: Any) -> None:
         if inspect.iscoroutine(awaitable):
             awaitable.close()  # never awaited: say so, not with a RuntimeWarning
-        if lease is not None:
+        if token is not _NO_TOKEN:
+            assert self._guard is not None
             with contextlib.suppress(Exception):
-                lease.release()
+                self._guard.exit(token)
 
     def _start_async(self, task: _Task) -> None:
         loop = task.job_loop
@@ -803,8 +681,9 @@ class TenantTaskCoordinator(Closeable):
                 return
             try:
                 awaitable = job()
-                if self._leases is not None and task.lane_key is not task and task.is_async:
-                    awaitable = self._under_lease_async(task, awaitable)
+                guard = self._guard
+                if guard is not None and task.lane_key is not task and task.is_async:
+                    awaitable = _guarded(guard, task.lane_key[1], awaitable)  # type: ignore[index]
                 if inspect.iscoroutine(awaitable):
                     future: asyncio.Future[Any] = loop.create_task(awaitable)
                 else:
@@ -851,14 +730,16 @@ class TenantTaskCoordinator(Closeable):
             task.timer = None
             task.job = None
             task.handle = None
+            ticket = task.ticket
+            task.ticket = None
             idle = self._queued + self._running == 0
         if timer is not None:
             timer()
-        # Free the tenant's own slot first: its next job then queues at the gate before the
-        # global slot is handed out, and competes for it fairly.
+        # Free this coordinator's own slot first: its next job then asks the admission before
+        # the permit is handed out, and competes for it fairly.
         self._release_slot(task)
-        if self._gate is not None:
-            self._gate.release()
+        if ticket is not None:
+            ticket._release(ticket.permit)
         if idle:
             self._became_idle()
         if deliver:
@@ -950,16 +831,24 @@ class TenantTaskCoordinator(Closeable):
             self._became_idle()
 
     def _withdraw(self, task: _Task) -> bool:
-        """Take a settled task back from the gate if it is still waiting there.
+        """Take a settled task back from the admission if it has not taken a permit yet.
 
-        The gate's lock makes this atomic: exactly one of the withdrawer and the gate's grant
-        (``_granted`` then sees the task settled) cleans it up. True if that left the
-        coordinator idle.
+        The ticket decides: exactly one of this withdrawal and ``_admitted`` (which then sees
+        the task settled) cleans it up, and a permit granted to it meanwhile goes back to the
+        admission. True if that left the coordinator idle.
         """
-        if self._gate is None or not self._gate.withdraw(self._gate_lane, task):
-            return False
+        ticket = task.ticket
+        if ticket is None:
+            return False  # not at the admission yet: _start's stranded check comes after
+        state = ticket._waiter.cancel()
+        if state is PENDING:
+            assert self._admission is not None
+            self._admission.withdraw(ticket)  # False: a grant is in flight and will be given back
+        elif state is not GRANTED:
+            return False  # taken (``_admitted`` cleans up) or withdrawn before
         with self._lock:
             task.state = _DONE
+            task.ticket = None
             self._queued -= 1
             self._tasks.discard(task)
             task.job = None
@@ -1025,33 +914,25 @@ class TenantTaskCoordinator(Closeable):
             task.lane = None  # its slot belonged to the dead pipeline
             self._cancel(task, error)
 
-    # -- distributed leases --------------------------------------------------------------------
 
-    def _lease_name(self, task: _Task) -> str:
-        """The distributed lease of a keyed job: ``"<coordinator name>:<key>"``."""
-        return f"{self._name}:{task.lane_key[1]!s}"  # type: ignore[index]
-
-    async def _under_lease_async(self, task: _Task, awaitable: Awaitable[Any]) -> Any:
-        assert self._leases is not None
-        try:
-            async with self._leases.lock_async(
-                self._lease_name(task), self._lease_at_most_for, keep_alive=True
-            ):
-                return await awaitable
-        finally:
-            if inspect.iscoroutine(awaitable) and inspect.getcoroutinestate(awaitable) == (
-                inspect.CORO_CREATED
-            ):
-                awaitable.close()  # the lease never came (cancelled, timed out, store down)
+async def _guarded(guard: KeyGuard, key: Hashable, awaitable: Awaitable[Any]) -> Any:
+    """Await an async job's awaitable inside the key guard (entered on the job's loop)."""
+    try:
+        token = await guard.enter_async(key)
+    except BaseException:
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()  # the guard never came (cancelled, timed out, store down)
+        raise
+    return await _awaited_then_exited(awaitable, guard, token)
 
 
-async def _awaited_then_released(awaitable: Awaitable[Any], lease: DistributedLease) -> Any:
-    """Await a job's result, then release the lease it ran under (LeaseLost if it was lost)."""
+async def _awaited_then_exited(awaitable: Awaitable[Any], guard: KeyGuard, token: Any) -> Any:
+    """Await a job's result, then exit the key guard (LeaseLost if exclusion was lost)."""
     try:
         result = await awaitable
     except BaseException:
         with contextlib.suppress(Exception):
-            await lease.release_async()
+            await guard.exit_async(token)
         raise
-    await lease.release_async()
+    await guard.exit_async(token)
     return result

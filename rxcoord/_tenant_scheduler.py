@@ -1,20 +1,22 @@
 """TenantScheduler: many tenants, one global limit, fair shares, idle tenants evicted.
 
-Each tenant gets a ``TenantTaskCoordinator`` of its own, so everything a coordinator promises
-holds per tenant (its concurrency limit, ``TooManyTasks`` beyond its queue, keyed order,
-cancellation, timeouts, async jobs). The tenants share one *gate*: when a tenant's job would
-start, it asks the gate for one of the ``max_concurrency`` global slots, and waits (counted as
-queued, its timeout not yet running) until it gets one.
+Composition, not subclassing: each tenant gets a plain ``TenantTaskCoordinator`` of its own,
+so everything a coordinator promises holds per tenant (its concurrency limit, ``TooManyTasks``
+beyond its queue, keyed order, cancellation, timeouts, async jobs). The tenants' coordinators
+are built with three seams, all public or plainly internal:
 
-Fairness is stride scheduling over job starts (weighted round robin in virtual time). Each
-tenant has a *pass*; a free slot goes to the waiting tenant with the smallest pass, whose pass
-then grows by ``1 / weight``. With equal weights that is round robin; over a long run tenants
-with backlogs get starts in proportion to their weights. A tenant that becomes runnable again
-starts from the current virtual time (the pass of the latest start), never from its old pass,
-so being idle earns no credit and a returning tenant cannot monopolise the slots. A flooding
-tenant therefore delays another tenant's next job by at most one job per competing tenant: its
-flood waits in its own coordinator's queue, not in the gate (each tenant has at most
-``tenant_max_concurrency`` jobs at the gate).
+* ``admission=`` one lane of the scheduler's :class:`~rxcoord._admission.FairShareGate`: when
+  a tenant's job would start it asks for one of the ``max_concurrency`` global permits, and
+  waits (counted as queued, its timeout not yet running) until it gets one;
+* ``scheduler=`` the scheduler's worker pool, shared by all tenants;
+* ``on_idle=`` the scheduler's eviction check.
+
+Fairness is the gate's stride scheduling over job starts (see ``FairShareGate``): a tenant
+that becomes runnable again starts from the current virtual time, so being idle earns no credit
+and a returning tenant cannot monopolise the slots. A flooding tenant therefore delays another
+tenant's next job by at most one job per competing tenant: its flood waits in its own
+coordinator's queue, not at the gate (each tenant has at most ``tenant_max_concurrency`` jobs
+there).
 
 Memory does not grow with tenants that went quiet: when a tenant's work in progress drops to
 zero and stays there for ``idle_timeout`` seconds, its coordinator is closed and forgotten, and
@@ -25,31 +27,32 @@ enter it, so eviction can never close a coordinator under a job that is being su
 from __future__ import annotations
 
 import functools
-import heapq
-import itertools
+import math
 import threading
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 from loguru import logger
 from reactivex import Observable, abc
 from reactivex.disposable import Disposable
 
-from ._coordinator import (
-    CoordinatorStats,
-    TenantTaskCoordinator,
-    _execution,
-    _Task,
-    _validate_count,
-    _validate_timeout,
+from ._admission import FairShareGate
+from ._coordinator import CoordinatorStats, TenantTaskCoordinator
+from ._core.checks import (
+    check_count,
+    check_deadline,
+    check_delay,
+    check_hashable,
+    check_name,
+    check_weight,
 )
 from ._core.lifecycle import Closeable, CoordinatorState
 from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
 from ._errors import CoordinatorClosed
+from ._execution import Execution, execution
 
 __all__ = ["SchedulerStats", "TenantScheduler"]
 
@@ -84,141 +87,17 @@ class SchedulerStats:
         return self.queued + self.running
 
 
-class _Lane:
-    """A tenant's place at the gate: its weight, pass, and jobs waiting for a global slot."""
+class _Tenant:
+    """A live tenant: its coordinator and the scheduler's bookkeeping for eviction."""
 
-    __slots__ = ("in_heap", "pass_", "waiting", "weight")
+    __slots__ = ("coordinator", "idle_since", "idle_timer", "pins", "tenant")
 
-    def __init__(self, weight: float) -> None:
-        self.weight = weight
-        self.pass_ = 0.0
-        self.waiting: deque[_Task] = deque()
-        self.in_heap = False
-
-
-class _FairGate:
-    """At most ``limit`` jobs hold a slot; a free slot goes to the lane with the lowest pass."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._lock = threading.Lock()
-        self._running = 0
-        self._heap: list[tuple[float, int, _Lane]] = []
-        self._seq = itertools.count()
-        self._clock = 0.0  # virtual time: the pass of the latest start
-        self._stale = 0  # heap entries of lanes whose waiting jobs were all withdrawn
-        self._closed = False  # closing: grant nothing more (tenants are closed one by one)
-
-    @property
-    def running(self) -> int:
-        return self._running
-
-    def request(self, lane: _Lane, task: _Task) -> None:
-        with self._lock:
-            lane.waiting.append(task)
-            if not lane.in_heap:
-                # Joining (again): start from the current virtual time, so idling earns no
-                # credit and the newcomer does not wait behind long-running backlogs either.
-                lane.pass_ = max(lane.pass_, self._clock)
-                heapq.heappush(self._heap, (lane.pass_, next(self._seq), lane))
-                lane.in_heap = True
-            granted = self._next() if self._running < self._limit else None
-        if granted is not None:
-            self._grant(granted)
-
-    def withdraw(self, lane: _Lane, task: _Task) -> bool:
-        with self._lock:
-            try:
-                lane.waiting.remove(task)  # at most tenant_max_concurrency entries
-            except ValueError:
-                return False  # already granted
-            if not lane.waiting and lane.in_heap:
-                self._stale += 1
-                if self._stale > 64 and self._stale * 2 > len(self._heap):
-                    self._compact()
-            return True
-
-    def release(self) -> None:
-        with self._lock:
-            self._running -= 1
-            granted = self._next()
-        if granted is not None:
-            self._grant(granted)
-
-    def close(self) -> None:
-        """Grant nothing from now on; waiting jobs stay until their tenants withdraw them."""
-        with self._lock:
-            self._closed = True
-
-    def _next(self) -> _Task | None:
-        """Take a slot for the next job, fairly (lock held)."""
-        if self._closed:
-            return None
-        heap = self._heap
-        while heap:
-            pass_, _, lane = heapq.heappop(heap)
-            if not lane.waiting:  # every job it had here was withdrawn
-                lane.in_heap = False
-                self._stale -= 1
-                continue
-            task = lane.waiting.popleft()
-            self._clock = pass_
-            lane.pass_ = pass_ + 1.0 / lane.weight
-            if lane.waiting:
-                heapq.heappush(heap, (lane.pass_, next(self._seq), lane))
-            else:
-                lane.in_heap = False
-            self._running += 1
-            return task
-        return None
-
-    def _grant(self, task: _Task | None) -> None:
-        # A job cancelled while being granted hands its slot straight on: loop, don't recurse.
-        while task is not None:
-            if task.coordinator._granted(task):
-                return
-            with self._lock:
-                self._running -= 1
-                task = self._next()
-
-    def _compact(self) -> None:
-        live = [entry for entry in self._heap if entry[2].waiting]
-        for entry in self._heap:
-            if not entry[2].waiting:
-                entry[2].in_heap = False
-        heapq.heapify(live)
-        self._heap = live
-        self._stale = 0
-
-
-class _Tenant(TenantTaskCoordinator):
-    """A tenant's coordinator: the scheduler's pool and gate, and eviction when idle."""
-
-    _owns_pool = False
-
-    def __init__(
-        self,
-        owner: TenantScheduler,
-        tenant: Hashable,
-        lane: _Lane,
-        **options: Any,
-    ) -> None:
-        self._owner = owner
+    def __init__(self, tenant: Hashable) -> None:
         self.tenant = tenant
+        self.coordinator: TenantTaskCoordinator
         self.pins = 0  # submissions entering this coordinator right now (scheduler's lock)
         self.idle_since = 0.0
         self.idle_timer: TimerHandle | None = None
-        self._gate = owner._gate
-        self._gate_lane = lane
-        super().__init__(name=str(tenant), **options)
-        self._log = self._log.bind(tenant=tenant)
-
-    def _make_pool(self) -> WorkerPool:
-        assert self._owner._pool is not None
-        return self._owner._pool
-
-    def _became_idle(self) -> None:
-        self._owner._tenant_idle(self)
 
 
 class TenantScheduler(Closeable):
@@ -238,57 +117,64 @@ class TenantScheduler(Closeable):
     included.
 
     Args:
-        max_concurrency: Most jobs running at once across all tenants.
+        max_concurrency: Most jobs running at once across all tenants (the only positional
+            parameter; the others are keyword-only).
         tenant_max_concurrency: Most jobs of one tenant running (or waiting for a global slot).
         tenant_max_queue_size: Most jobs of one tenant queued beyond those.
         scheduler: Where sync jobs run; ``None`` for ``max_concurrency`` owned worker threads.
-        timeout: Default per-job timeout in seconds, counted from the job's start.
-        weights: Tenant -> positive weight, as a mapping or a callable (default 1).
-        idle_timeout: Seconds a tenant stays idle before its state is dropped.
+        timeout: Default per-job timeout in seconds, counted from the job's start; ``None``
+            (or ``inf``) for none.
+        weights: Tenant -> weight (a finite number > 0; default 1), as a mapping (checked
+            here) or a callable (checked on the tenant's first job, which fails if it is bad).
+        idle_timeout: Seconds a tenant stays idle before its state is dropped (0: at once,
+            ``inf``: never).
         name: Names the scheduler in logs and thread names.
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: a limit, the timeout or the idle timeout is out of range.
+        ValueError: a limit, a weight, the timeout or the idle timeout is out of range.
     """
 
     def __init__(
         self,
         max_concurrency: int = 16,
+        *,
         tenant_max_concurrency: int = 2,
         tenant_max_queue_size: int = 50,
         scheduler: abc.SchedulerBase | None = None,
         timeout: float | None = None,
         weights: Weights | None = None,
         idle_timeout: float = 0.0,
-        *,
         name: str = "",
     ) -> None:
-        self._max_concurrency = _validate_count(max_concurrency, "max_concurrency", 1)
-        self._tenant_options: dict[str, Any] = {
-            "scheduler": scheduler,
-            "max_concurrency": _validate_count(tenant_max_concurrency, "tenant_max_concurrency", 1),
-            "max_queue_size": _validate_count(tenant_max_queue_size, "tenant_max_queue_size", 0),
-            "timeout": _validate_timeout(timeout, "timeout"),
-        }
-        if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, int | float):
-            raise TypeError(f"idle_timeout must be a number of seconds, not {idle_timeout!r}")
-        if idle_timeout < 0:
-            raise ValueError(f"idle_timeout must be >= 0, got {idle_timeout}")
-        if weights is not None and not callable(weights) and not isinstance(weights, Mapping):
+        self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
+        tenant_limit = check_count(tenant_max_concurrency, "tenant_max_concurrency", 1)
+        tenant_queue = check_count(tenant_max_queue_size, "tenant_max_queue_size", 0)
+        self._timeout = check_deadline(timeout)
+        self._idle_timeout = check_delay(idle_timeout, "idle_timeout")
+        if isinstance(weights, Mapping):
+            for tenant, weight in weights.items():
+                check_weight(weight, f"weights[{tenant!r}]")
+        elif weights is not None and not callable(weights):
             raise TypeError(f"weights must be a mapping or a callable, not {weights!r}")
         if scheduler is not None and not isinstance(scheduler, abc.SchedulerBase):
             raise TypeError(f"scheduler must be a reactivex scheduler or None, not {scheduler!r}")
-        self._idle_timeout = float(idle_timeout)
         self._weights = weights
-        self._name = name
+        self._name = check_name(name)
         self._log = logger.bind(scheduler=name)
-        self._gate = _FairGate(max_concurrency)
+        self._gate = FairShareGate(max_concurrency)
         self._pool = (
             WorkerPool(max_concurrency, f"rxcoord-{name or 'tenants'}")
             if scheduler is None
             else None
         )
+        # What every tenant's coordinator is built with (besides its name and its own lane).
+        self._tenant_options: dict[str, Any] = {
+            "scheduler": scheduler if self._pool is None else self._pool,
+            "max_concurrency": tenant_limit,
+            "max_queue_size": tenant_queue,
+            "timeout": self._timeout,
+        }
         self._lock = threading.Lock()
         self._state = CoordinatorState.OPEN
         self._tenants: dict[Hashable, _Tenant] = {}
@@ -348,9 +234,9 @@ class TenantScheduler(Closeable):
                 ``timeout`` is not a number.
             ValueError: ``timeout`` is not positive.
         """
-        hash(tenant)  # an unhashable tenant fails here, at the call
+        check_hashable(tenant, "tenant")  # an unhashable tenant fails here, at the call
         submit = functools.partial(self._submit, tenant)
-        return _execution(submit, job, key, timeout, self._tenant_options["timeout"])
+        return execution(submit, job, key, timeout, self._timeout)
 
     def stats(self, tenant: Hashable | None = None) -> CoordinatorStats | SchedulerStats:
         """``stats(tenant)``: that tenant's snapshot; ``stats()``: the totals over all tenants.
@@ -361,7 +247,7 @@ class TenantScheduler(Closeable):
         if tenant is not None:
             live = self._tenants.get(tenant)
             if live is not None:
-                return live.stats()
+                return live.coordinator.stats()
             return CoordinatorStats(
                 name=str(tenant),
                 submitted=0,
@@ -381,7 +267,7 @@ class TenantScheduler(Closeable):
             evicted = self._evicted
         queued = 0
         for live in tenants:
-            snapshot = live.stats()
+            snapshot = live.coordinator.stats()
             for field in totals:
                 totals[field] += getattr(snapshot, field)
             queued += snapshot.queued
@@ -409,7 +295,7 @@ class TenantScheduler(Closeable):
         # in one tenant must not hand its global slot to a job of a tenant not closed yet.
         self._gate.close()
         for tenant in tenants:
-            tenant.close(wait=False)
+            tenant.coordinator.close(wait=False)
         if self._pool is not None:
             self._pool.shutdown(wait=wait)
         with self._lock:
@@ -436,32 +322,34 @@ class TenantScheduler(Closeable):
         observer: abc.ObserverBase[Any],
         scheduler: abc.SchedulerBase | None,
     ) -> abc.DisposableBase:
-        coordinator: _Tenant | None = None
+        entry: _Tenant | None = None
         with self._lock:
             if self._state is not CoordinatorState.OPEN:
                 self._retired["submitted"] += 1
                 self._retired["rejected"] += 1
                 error: Exception = CoordinatorClosed(f"tenant scheduler {self._name!r} is closed")
             else:
-                coordinator = self._tenants.get(tenant)
-                if coordinator is None:
+                entry = self._tenants.get(tenant)
+                if entry is None:
                     try:
-                        coordinator = self._new_tenant(tenant)
+                        entry = self._new_tenant(tenant)
                     except (TypeError, ValueError) as exc:  # a bad weight for this tenant
                         error = exc
-                if coordinator is not None:
-                    coordinator.pins += 1
-        if coordinator is None:
+                if entry is not None:
+                    entry.pins += 1
+        if entry is None:
             observer.on_error(error)
             return Disposable()
+        coordinator = entry.coordinator
         try:
-            return coordinator._submit(job, key, timeout, is_async, observer, scheduler)
+            submission = cast(Execution[Any], coordinator.execute(job, key=key, timeout=timeout))
+            return submission.submit(observer, scheduler)
         finally:
             with self._lock:
-                coordinator.pins -= 1
-                idle = not coordinator.pins and not coordinator.work_in_progress
+                entry.pins -= 1
+                idle = not entry.pins and not coordinator.work_in_progress
             if idle:  # refused, or done already: nobody else will notice it went idle
-                self._tenant_idle(coordinator)
+                self._tenant_idle(entry)
 
     def _new_tenant(self, tenant: Hashable) -> _Tenant:
         weight: Any = 1.0
@@ -470,19 +358,26 @@ class TenantScheduler(Closeable):
                 weight = self._weights.get(tenant, 1.0)
             else:
                 weight = self._weights(tenant)
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
-            raise ValueError(
-                f"weight of tenant {tenant!r} must be a positive number, not {weight!r}"
-            )
-        coordinator = _Tenant(self, tenant, _Lane(float(weight)), **self._tenant_options)
-        self._tenants[tenant] = coordinator
-        return coordinator
+        weight = check_weight(weight, f"the weight of tenant {tenant!r}")
+        entry = _Tenant(tenant)
+        coordinator = TenantTaskCoordinator(
+            name=str(tenant),
+            admission=self._gate.lane(weight),
+            on_idle=lambda: self._tenant_idle(entry),
+            log_context={"tenant": tenant},
+            **self._tenant_options,
+        )
+        entry.coordinator = coordinator
+        self._tenants[tenant] = entry
+        return entry
 
     def _tenant_idle(self, tenant: _Tenant) -> None:
         """A tenant's work in progress dropped to zero: evict it now or after idle_timeout."""
         if self._idle_timeout == 0:
             self._evict_if_idle(tenant)
             return
+        if self._idle_timeout == math.inf:
+            return  # never evicted
         with self._lock:
             tenant.idle_since = time.monotonic()
             if tenant.idle_timer is None and self._tenants.get(tenant.tenant) is tenant:
@@ -493,7 +388,7 @@ class TenantScheduler(Closeable):
             tenant.idle_timer = None
             if self._tenants.get(tenant.tenant) is not tenant:
                 return
-            if tenant.pins or tenant.work_in_progress:
+            if tenant.pins or tenant.coordinator.work_in_progress:
                 return  # busy again: its next idle moment arms a new timer
             remaining = tenant.idle_since + self._idle_timeout - time.monotonic()
             if remaining > 0:  # it worked and went idle again meanwhile
@@ -505,15 +400,15 @@ class TenantScheduler(Closeable):
         with self._lock:
             if self._tenants.get(tenant.tenant) is not tenant:
                 return
-            if tenant.pins or tenant.work_in_progress:
+            if tenant.pins or tenant.coordinator.work_in_progress:
                 return
             del self._tenants[tenant.tenant]
             self._retire(tenant, evicted=True)
-        tenant.close(wait=False)  # no work: this only tears its (empty) pipeline down
+        tenant.coordinator.close(wait=False)  # no work: this only tears its pipeline down
 
     def _retire(self, tenant: _Tenant, evicted: bool) -> None:
         """Fold a dropped tenant's counters into the totals (lock held)."""
-        snapshot = tenant.stats()
+        snapshot = tenant.coordinator.stats()
         for field in self._retired:
             self._retired[field] += getattr(snapshot, field)
         self._evicted += evicted

@@ -420,7 +420,7 @@ def test_a_dispose_just_before_the_gate_request_does_not_park_a_dead_job(
     # The task's turn comes on a worker (its predecessor just finished) while its subscriber
     # disposes from another thread, in the instant between "gated" and the gate request. The
     # window is a few bytecodes; the test holds it open by pausing the worker in request().
-    from rxcoord import _tenant_scheduler as ts
+    from rxcoord import _admission as adm
 
     with TenantScheduler(max_concurrency=2, tenant_max_concurrency=1, tenant_max_queue_size=1) as s:
         hog, first, other = threading.Event(), threading.Event(), threading.Event()
@@ -432,22 +432,22 @@ def test_a_dispose_just_before_the_gate_request_does_not_park_a_dead_job(
         ran: list[str] = []
         second = s.execute("A", lambda: ran.append("A2")).subscribe()  # queued behind A1
 
-        original = ts._FairGate.request
+        original = adm.FairShareGate._request
         in_window, go_on = threading.Event(), threading.Event()
 
-        def request(self: ts._FairGate, lane: ts._Lane, task: Any) -> None:
+        def request(self: adm.FairShareGate, lane: Any, ticket: adm.AdmissionTicket) -> None:
             if threading.current_thread().name.startswith("rxcoord-"):
                 in_window.set()
                 go_on.wait(WAIT)
-            original(self, lane, task)
+            original(self, lane, ticket)
 
-        monkeypatch.setattr(ts._FairGate, "request", request)
+        monkeypatch.setattr(adm.FairShareGate, "_request", request)
         first.set()  # A1 returns: A2's turn comes on the worker, which pauses in request()
         assert in_window.wait(WAIT)
         second.dispose()
         go_on.set()
         wait_until(lambda: s.stats("A").work_in_progress == 0, "A2 to leave the counters")
-        monkeypatch.setattr(ts._FairGate, "request", original)
+        monkeypatch.setattr(adm.FairShareGate, "_request", original)
         other.set()
         hog.set()
         wait_until(lambda: s.stats().work_in_progress == 0, "idle")

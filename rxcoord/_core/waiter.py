@@ -62,6 +62,8 @@ CANCELLED: Final = 3
 class Waiter(Generic[_T]):
     """A one-shot grant that may be cancelled; see the module docstring for the rule.
 
+    Granted values must not be ``None`` (``take()`` returns None for "nothing to take").
+
     Args:
         release: Called with a granted value nobody will take (the waiter had left, or leaves
             before taking it). Runs on the thread that decided so, outside any lock.
