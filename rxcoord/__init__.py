@@ -4,7 +4,8 @@ Layers, each built on the ones before it:
 
 1. :func:`serialize_by_key` - per-key ordered processing, keys in parallel, no per-key leak.
 2. :class:`TenantTaskCoordinator` - a concurrency limit, a bounded queue (``TooManyTasks``),
-   per-key ordering, cancellation and timeouts for sync and async jobs.
+   per-key ordering, cancellation and timeouts for sync and async jobs; two seams: an
+   :class:`Admission` asked before each job runs, a :class:`KeyGuard` for keyed jobs.
 3. :class:`TenantScheduler` - many tenants, one global limit, fair shares, idle tenants evicted.
 4. :class:`KeyedLocks` - ownerless per-entity leases, bulk and global, FIFO, no polling, no leaks.
 5. :mod:`rxcoord.leases` - distributed leases on SQLite, PostgreSQL and Redis, fencing tokens.
@@ -15,6 +16,7 @@ rxcoord logs with loguru and, as a library, is silent until you call
 
 from loguru import logger as _logger
 
+from ._admission import Admission, AdmissionTicket
 from ._coordinator import CoordinatorStats, TenantTaskCoordinator
 from ._core.lifecycle import CoordinatorState
 from ._errors import (
@@ -29,6 +31,7 @@ from ._errors import (
     StaleToken,
     TooManyTasks,
 )
+from ._key_guard import KeyGuard, LeaseKeyGuard
 from ._locks import KeyedLocks, KeyedLocksStats, Lease
 from ._tenant_scheduler import SchedulerStats, TenantScheduler
 from .operators import serialize_by_key
@@ -36,13 +39,17 @@ from .operators import serialize_by_key
 __version__ = "0.1.0"
 
 __all__ = [
+    "Admission",
+    "AdmissionTicket",
     "CoordinatorClosed",
     "CoordinatorState",
     "CoordinatorStats",
+    "KeyGuard",
     "KeyedLocks",
     "KeyedLocksStats",
     "Lease",
     "LeaseError",
+    "LeaseKeyGuard",
     "LeaseLost",
     "LeaseProviderClosed",
     "LeaseReleasedError",
