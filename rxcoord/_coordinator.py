@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import inspect
 import threading
+from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
@@ -60,7 +61,13 @@ from reactivex.scheduler.eventloop import AsyncIOScheduler
 from reactivex.subject import Subject
 
 from ._admission import Admission, AdmissionTicket
-from ._core.checks import check_count, check_deadline, check_length, check_name
+from ._core.checks import (
+    check_count,
+    check_deadline,
+    check_length,
+    check_name,
+    check_overflow,
+)
 from ._core.lifecycle import Closeable, CoordinatorState
 from ._core.timer import call_later
 from ._core.waiter import GRANTED, PENDING
@@ -84,6 +91,7 @@ _QUEUED: Final = 0
 _RUNNING: Final = 1
 _DONE: Final = 2
 _GATED: Final = 3  # its turn came, waiting for its Admission's permit
+_WAITING: Final = 4  # overflow="wait": beyond the limits, waiting for room (not yet counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +103,8 @@ class CoordinatorStats:
     ``failed`` (the job raised, or could not be started), ``cancelled`` (the subscriber
     disposed, or the coordinator closed) or ``timed_out`` - or it is still pending.
     ``work_in_progress`` is ``queued + running``; a cancelled sync job stays ``running`` until
-    its thread returns.
+    its thread returns. ``waiting`` counts submissions beyond the limits waiting for room
+    (``overflow="wait"``): not work in progress yet.
     """
 
     name: str
@@ -109,6 +118,7 @@ class CoordinatorStats:
     running: int
     max_concurrency: int
     max_queue_size: int
+    waiting: int = 0
 
     @property
     def work_in_progress(self) -> int:
@@ -244,6 +254,11 @@ class TenantTaskCoordinator(Closeable):
             job) each time the work in progress drops to zero.
         log_context: Extra fields bound to the coordinator's log records (loguru ``extra``),
             e.g. ``{"tenant": tenant}``.
+        overflow: What a submission beyond ``max_concurrency + max_queue_size`` gets:
+            ``"reject"`` (``TooManyTasks`` at once, the default) or ``"wait"`` (it waits for
+            room in FIFO order: ``await`` suspends, ``.run()`` blocks, a subscription is
+            admitted later; disposing it withdraws it). ``execute(overflow=...)`` overrides it
+            per call.
 
     Raises:
         TypeError: an argument has the wrong type (``leases`` not a lease provider, ``name``
@@ -266,6 +281,7 @@ class TenantTaskCoordinator(Closeable):
         admission: Admission | None = None,
         on_idle: Callable[[], object] | None = None,
         log_context: Mapping[str, Any] | None = None,
+        overflow: str = "reject",
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         self._max_queue_size = check_count(max_queue_size, "max_queue_size", 0)
@@ -290,6 +306,7 @@ class TenantTaskCoordinator(Closeable):
         self._on_idle = on_idle
         self._lock = threading.Lock()
         self._state = CoordinatorState.OPEN
+        self._closing = False  # close() has begun settling (after a drain, or at once)
         self._tasks: set[_Task] = set()  # unsettled or still running: what close() must reach
         self._queued = 0
         self._running = 0
@@ -300,6 +317,13 @@ class TenantTaskCoordinator(Closeable):
         self._cancelled = 0
         self._timed_out = 0
         self._tombstones = 0  # tasks cancelled while queued, still in the pipeline's queues
+        self._wait = check_overflow(overflow)
+        # overflow="wait": submissions waiting for room, in FIFO order (cancelled ones are
+        # skipped when reached), and whether a thread is moving them into the pipeline.
+        self._waiters: deque[_Task] = deque()
+        self._waiting_count = 0
+        self._admitting = False
+        self._idle_callbacks: list[Callable[[], object]] = []  # a draining close waits here
 
         self._scheduler: abc.SchedulerBase | None = None
         self._pool: WorkerPool | None = None
@@ -327,6 +351,13 @@ class TenantTaskCoordinator(Closeable):
         on_idle = self._on_idle
         if on_idle is not None:
             on_idle()
+        if self._idle_callbacks:
+            with self._lock:
+                callbacks: list[Callable[[], object]] = []
+                if self._queued + self._running == 0:
+                    callbacks, self._idle_callbacks = self._idle_callbacks, []
+            for callback in callbacks:
+                callback()
 
     def _build_pipeline(self) -> tuple[Subject[_Task], SerializedSubscription[_Task, None]]:
         """The sink, and the pipeline from it: per-key order and the cap; each task runs itself.
@@ -397,6 +428,7 @@ class TenantTaskCoordinator(Closeable):
                 running=self._running,
                 max_concurrency=self._max_concurrency,
                 max_queue_size=self._max_queue_size,
+                waiting=self._waiting_count,
             )
 
     @overload
@@ -406,6 +438,7 @@ class TenantTaskCoordinator(Closeable):
         *,
         key: Hashable | None = None,
         timeout: float | None = None,
+        overflow: str | None = None,
     ) -> Observable[_T]: ...
 
     @overload
@@ -415,6 +448,7 @@ class TenantTaskCoordinator(Closeable):
         *,
         key: Hashable | None = None,
         timeout: float | None = None,
+        overflow: str | None = None,
     ) -> Observable[_T]: ...
 
     def execute(
@@ -423,6 +457,7 @@ class TenantTaskCoordinator(Closeable):
         *,
         key: Hashable | None = None,
         timeout: float | None = None,
+        overflow: str | None = None,
     ) -> Observable[Any]:
         """Return a cold Observable that runs ``job`` under this coordinator once per subscription.
 
@@ -433,6 +468,7 @@ class TenantTaskCoordinator(Closeable):
                 ordering.
             timeout: Seconds the job may run, counted from its start; overrides the
                 coordinator's default.
+            overflow: ``"reject"`` or ``"wait"`` for this call; ``None``: the coordinator's.
 
         Returns:
             An Observable emitting the job's result once, or erroring with the job's exception,
@@ -441,21 +477,90 @@ class TenantTaskCoordinator(Closeable):
         Raises:
             TypeError: ``job`` is not callable, ``key`` is unhashable, or ``timeout`` is not a
                 number.
-            ValueError: ``timeout`` is not positive.
+            ValueError: ``timeout`` is not positive, ``overflow`` not one of the two strings.
         """
-        return execution(self._submit, job, key, timeout, self._timeout)
+        return execution(self._submit, job, key, timeout, self._timeout, overflow)
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, *, drain: bool = False) -> None:
         """Close the coordinator; idempotent.
 
-        New subscriptions fail with ``CoordinatorClosed``; queued jobs and running jobs fail
-        with it too (running async jobs are cancelled, running sync jobs' results discarded).
+        New subscriptions fail with ``CoordinatorClosed``, and so do submissions waiting for
+        room (``overflow="wait"``). With ``drain=False`` (the default) queued and running jobs
+        fail with it too (running async jobs are cancelled, running sync jobs' results are
+        discarded: a thread cannot be stopped). With ``drain=True`` every accepted job, queued
+        or running, runs to its end and delivers its result first; this blocks until then, so
+        on an event loop running async jobs of this coordinator use :meth:`aclose`.
         The owned worker threads are shut down; with ``wait`` this returns once they have all
         exited, which means once running sync jobs have returned.
+
+        Raises:
+            RuntimeError: ``drain=True`` on the event loop that runs this coordinator's async
+                jobs while any is live (they could never finish): use ``await aclose(drain=True)``.
         """
+        if drain:
+            loop = _get_running_loop()
+            with self._lock:
+                blocked = loop is not None and any(t.job_loop is loop for t in self._tasks)
+            if blocked:
+                raise RuntimeError(
+                    "close(drain=True) would block the event loop its async jobs need: "
+                    "use `await coordinator.aclose(drain=True)`"
+                )
+            idle = threading.Event()
+            if self._start_draining(idle.set):
+                idle.wait()
+        self._close(wait)
+
+    async def aclose(self, *, drain: bool = False) -> None:
+        """:meth:`close` for asyncio code: never blocks the loop.
+
+        It awaits what ``close`` would wait for (the drained jobs, the worker threads) instead
+        of blocking the loop's thread. ``drain`` as for :meth:`close`.
+        """
+        loop = asyncio.get_running_loop()
+        if drain:
+            drained: asyncio.Future[None] = loop.create_future()
+
+            def on_idle() -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(_resolve, drained)
+
+            if self._start_draining(on_idle):
+                await drained
+        self._close(wait=False)
+        if self._owns_pool:
+            assert self._pool is not None
+            # Joining the workers waits for running sync jobs: on a helper thread, not here.
+            await loop.run_in_executor(None, self._pool.shutdown, True)
+
+    async def __aenter__(self) -> TenantTaskCoordinator:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _start_draining(self, on_idle: Callable[[], object]) -> bool:
+        """Refuse new work and fail waiting submissions; True if ``on_idle`` will be called
+        once no job is left, False if there is nothing to wait for."""
         with self._lock:
             if self._state is not CoordinatorState.OPEN:
+                return False
+            self._state = CoordinatorState.CLOSING
+            waiting = [task for task in self._waiters if not task.settled]
+            settled = [(task, self._settle(task)) for task in waiting]
+            busy = self._queued + self._running > 0
+            if busy:
+                self._idle_callbacks.append(on_idle)
+        error = CoordinatorClosed(f"coordinator {self._name!r} is closed")
+        for task, cleanup in settled:
+            self._after_settle(task, cleanup, error)
+        return busy
+
+    def _close(self, wait: bool) -> None:
+        with self._lock:
+            if self._closing:
                 return
+            self._closing = True
             self._state = CoordinatorState.CLOSING
             # Settle every live task in one step, before any subscriber code runs: otherwise a
             # job finishing meanwhile could hand its slot to a queued task not yet reached.
@@ -485,6 +590,7 @@ class TenantTaskCoordinator(Closeable):
         key: Hashable | None,
         timeout: float | None,
         is_async: bool,
+        wait: bool | None,
         observer: abc.ObserverBase[Any],
         scheduler: abc.SchedulerBase | None,
     ) -> abc.DisposableBase:
@@ -494,6 +600,7 @@ class TenantTaskCoordinator(Closeable):
         job_loop = (self._scheduler_loop or loop) if is_async else None
         task = _Task(self, job, key, timeout, observer, loop, job_loop, is_async)
         error: Exception | None = None
+        admit = False
         with self._lock:
             self._submitted += 1
             if self._state is not CoordinatorState.OPEN:
@@ -505,16 +612,27 @@ class TenantTaskCoordinator(Closeable):
                     "an async job needs a running asyncio loop: subscribe from asyncio code (e.g. "
                     "`await coordinator.execute(job)`) or pass scheduler=AsyncIOScheduler(loop)"
                 )
+            elif self._waiters or self._admitting:
+                # Others wait for room already: FIFO, nobody overtakes them (per-key order
+                # is subscription order). A rejecting call is refused only when really full.
+                if not (self._wait if wait is None else wait) and (
+                    self._queued + self._running >= self._limit
+                ):
+                    error = self._too_many()
+                else:
+                    self._park(task)
+                    admit = True
             elif self._queued + self._running >= self._limit:
-                self._rejected += 1
-                error = TooManyTasks(
-                    f"coordinator {self._name!r}: {self._queued + self._running} jobs in "
-                    f"progress, limit {self._limit} (max_concurrency={self._max_concurrency} + "
-                    f"max_queue_size={self._max_queue_size})"
-                )
+                if self._wait if wait is None else wait:
+                    self._park(task)
+                    return task  # admitted when room frees up
+                error = self._too_many()
             else:
                 self._queued += 1
                 self._tasks.add(task)
+        if admit:
+            self._admit_waiting()
+            return task
         if error is not None:
             if isinstance(error, TooManyTasks):
                 self._log.info("rejected: {}", error)
@@ -522,6 +640,56 @@ class TenantTaskCoordinator(Closeable):
             return Disposable()
         self._sink.on_next(task)
         return task
+
+    def _too_many(self) -> TooManyTasks:
+        """Count a rejection; the error that says why (lock held)."""
+        self._rejected += 1
+        return TooManyTasks(
+            f"coordinator {self._name!r}: {self._queued + self._running} jobs in "
+            f"progress, limit {self._limit} (max_concurrency={self._max_concurrency} + "
+            f'max_queue_size={self._max_queue_size}); pass overflow="wait" to wait for room'
+        )
+
+    def _park(self, task: _Task) -> None:
+        """Make ``task`` wait for room, behind every earlier waiter (lock held)."""
+        task.state = _WAITING
+        self._waiters.append(task)
+        self._waiting_count += 1
+        self._tasks.add(task)
+
+    def _admit_waiting(self) -> None:
+        """Move waiting submissions into the pipeline while there is room, in FIFO order.
+
+        One thread at a time does it (``_admitting``), so the order of waiters is the order
+        they enter the pipeline; others that free room meanwhile leave it to that thread,
+        which looks again before it stops.
+        """
+        with self._lock:
+            if self._admitting or not self._waiters:
+                return
+            self._admitting = True
+        try:
+            while True:
+                with self._lock:
+                    waiters = self._waiters
+                    while waiters and waiters[0].settled:
+                        waiters.popleft()  # withdrawn while waiting
+                    if not (
+                        waiters
+                        and self._queued + self._running < self._limit
+                        and self._state is CoordinatorState.OPEN
+                    ):
+                        self._admitting = False
+                        return
+                    task = waiters.popleft()
+                    task.state = _QUEUED
+                    self._waiting_count -= 1
+                    self._queued += 1
+                self._sink.on_next(task)
+        except BaseException:
+            with self._lock:
+                self._admitting = False
+            raise
 
     # -- running -------------------------------------------------------------------------------
 
@@ -754,6 +922,8 @@ class TenantTaskCoordinator(Closeable):
         task.lane = None
         if lane is not None:
             lane.on_completed()  # serialize_by_key starts the next task (just a hand-off)
+        if self._waiters:  # room freed up: let submissions waiting for it in
+            self._admit_waiting()
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -794,7 +964,15 @@ class TenantTaskCoordinator(Closeable):
         self._cancelled += 1
         state = task.state
         idle = purge = False
-        if state is _QUEUED:
+        if state is _WAITING:
+            # Never counted as work in progress: it just stops waiting. Its deque entry is
+            # skipped when reached; purge the deque once such entries outnumber live ones.
+            self._waiting_count -= 1
+            self._tasks.discard(task)
+            task.job = None
+            if len(self._waiters) > 2 * self._waiting_count + _PURGE_AT_LEAST:
+                self._waiters = deque(t for t in self._waiters if not t.settled)
+        elif state is _QUEUED:
             # Leaves the counters at once; the pipeline drops it when its turn comes. Until
             # then it is a tombstone in the pipeline's queues, which the WIP limit no longer
             # bounds (a stuck job and callers that keep giving up would pile them up without
@@ -817,6 +995,8 @@ class TenantTaskCoordinator(Closeable):
 
     def _after_settle(self, task: _Task, cleanup: _Cleanup, error: Exception | None) -> None:
         state, handle, timer, idle, purge = cleanup
+        if state is _QUEUED and self._waiters:  # a queued job left: room for a waiting one
+            self._admit_waiting()
         if purge:
             self._pipeline.purge(_is_settled)
         if timer is not None:
@@ -936,3 +1116,8 @@ async def _awaited_then_exited(awaitable: Awaitable[Any], guard: KeyGuard, token
         raise
     await guard.exit_async(token)
     return result
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

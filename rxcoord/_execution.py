@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from reactivex import Observable, abc
 
-from ._core.checks import check_deadline, check_hashable
+from ._core.checks import check_deadline, check_hashable, check_overflow
 from ._core.futures import FutureObserver
 
 __all__ = ["Execution", "Submit", "execution"]
@@ -29,6 +29,7 @@ class Submit(Protocol):
         key: Hashable | None,
         timeout: float | None,
         is_async: bool,
+        wait: bool | None,
         observer: abc.ObserverBase[Any],
         scheduler: abc.SchedulerBase | None,
     ) -> abc.DisposableBase: ...
@@ -44,6 +45,7 @@ class Execution(Observable[_T]):
         key: Hashable | None,
         timeout: float | None,
         is_async: bool,
+        wait: bool | None,
     ) -> None:
         super().__init__()
         self._submit = submit  # TenantTaskCoordinator._submit, or TenantScheduler's for a tenant
@@ -51,12 +53,13 @@ class Execution(Observable[_T]):
         self._key = key
         self._timeout = timeout
         self._is_async = is_async
+        self._wait = wait  # overflow="wait" for this call (None: the coordinator's default)
 
     def _subscribe_core(
         self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
     ) -> abc.DisposableBase:
         return self._submit(
-            self._job, self._key, self._timeout, self._is_async, observer, scheduler
+            self._job, self._key, self._timeout, self._is_async, self._wait, observer, scheduler
         )
 
     def subscribe(
@@ -80,7 +83,7 @@ class Execution(Observable[_T]):
         else:
             observer = _Callbacks(on_next, on_error, on_completed)
         return self._submit(
-            self._job, self._key, self._timeout, self._is_async, observer, scheduler
+            self._job, self._key, self._timeout, self._is_async, self._wait, observer, scheduler
         )
 
     def submit(
@@ -88,7 +91,7 @@ class Execution(Observable[_T]):
     ) -> abc.DisposableBase:
         """Submit once for ``observer``: a subscription without ``subscribe``'s wrapping."""
         return self._submit(
-            self._job, self._key, self._timeout, self._is_async, observer, scheduler
+            self._job, self._key, self._timeout, self._is_async, self._wait, observer, scheduler
         )
 
     def __await__(self) -> Generator[Any, None, _T]:
@@ -101,7 +104,13 @@ class Execution(Observable[_T]):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[_T] = loop.create_future()
         subscription = self._submit(
-            self._job, self._key, self._timeout, self._is_async, FutureObserver(future), None
+            self._job,
+            self._key,
+            self._timeout,
+            self._is_async,
+            self._wait,
+            FutureObserver(future),
+            None,
         )
 
         def on_done(f: asyncio.Future[_T]) -> None:
@@ -157,11 +166,13 @@ def execution(
     key: Hashable | None,
     timeout: float | None,
     default_timeout: float | None,
+    overflow: str | None = None,
 ) -> Execution[Any]:
     """Validate ``execute``'s arguments at the call and build its cold Observable."""
+    wait = None if overflow is None else check_overflow(overflow)
     if not callable(job):
         raise TypeError(f"job must be callable, not {job!r}")
     if key is not None:
         check_hashable(key, "key")  # an unhashable key fails here, at the call
     timeout = default_timeout if timeout is None else check_deadline(timeout)
-    return Execution(submit, job, key, timeout, inspect.iscoroutinefunction(job))
+    return Execution(submit, job, key, timeout, inspect.iscoroutinefunction(job), wait)

@@ -26,6 +26,7 @@ enter it, so eviction can never close a coordinator under a job that is being su
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import threading
@@ -46,6 +47,7 @@ from ._core.checks import (
     check_delay,
     check_hashable,
     check_name,
+    check_overflow,
     check_weight,
 )
 from ._core.lifecycle import Closeable, CoordinatorState
@@ -66,7 +68,8 @@ class SchedulerStats:
     """Totals over all tenants: live ones (sum of their snapshots) and evicted ones.
 
     ``running`` counts jobs holding a global slot (never more than ``max_concurrency``);
-    ``queued`` counts jobs accepted and not yet running, in tenants' queues or at the gate.
+    ``queued`` counts jobs accepted and not yet running, in tenants' queues or at the gate;
+    ``waiting`` submissions beyond their tenant's limits waiting for room (``overflow="wait"``).
     """
 
     tenants: int
@@ -80,6 +83,7 @@ class SchedulerStats:
     queued: int
     running: int
     max_concurrency: int
+    waiting: int = 0
 
     @property
     def work_in_progress(self) -> int:
@@ -129,6 +133,9 @@ class TenantScheduler(Closeable):
         idle_timeout: Seconds a tenant stays idle before its state is dropped (0: at once,
             ``inf``: never).
         name: Names the scheduler in logs and thread names.
+        overflow: ``"reject"`` (``TooManyTasks`` beyond a tenant's limits, the default) or
+            ``"wait"`` (wait for room in the tenant's FIFO), as for ``TenantTaskCoordinator``;
+            ``execute(overflow=...)`` overrides it per call.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -146,12 +153,14 @@ class TenantScheduler(Closeable):
         weights: Weights | None = None,
         idle_timeout: float = 0.0,
         name: str = "",
+        overflow: str = "reject",
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         tenant_limit = check_count(tenant_max_concurrency, "tenant_max_concurrency", 1)
         tenant_queue = check_count(tenant_max_queue_size, "tenant_max_queue_size", 0)
         self._timeout = check_deadline(timeout)
         self._idle_timeout = check_delay(idle_timeout, "idle_timeout")
+        check_overflow(overflow)
         if isinstance(weights, Mapping):
             for tenant, weight in weights.items():
                 check_weight(weight, f"weights[{tenant!r}]")
@@ -174,6 +183,7 @@ class TenantScheduler(Closeable):
             "max_concurrency": tenant_limit,
             "max_queue_size": tenant_queue,
             "timeout": self._timeout,
+            "overflow": overflow,
         }
         self._lock = threading.Lock()
         self._state = CoordinatorState.OPEN
@@ -204,6 +214,7 @@ class TenantScheduler(Closeable):
         *,
         key: Hashable | None = None,
         timeout: float | None = None,
+        overflow: str | None = None,
     ) -> Observable[_T]: ...
 
     @overload
@@ -214,6 +225,7 @@ class TenantScheduler(Closeable):
         *,
         key: Hashable | None = None,
         timeout: float | None = None,
+        overflow: str | None = None,
     ) -> Observable[_T]: ...
 
     def execute(
@@ -223,6 +235,7 @@ class TenantScheduler(Closeable):
         *,
         key: Hashable | None = None,
         timeout: float | None = None,
+        overflow: str | None = None,
     ) -> Observable[Any]:
         """Return a cold Observable that runs ``job`` for ``tenant`` once per subscription.
 
@@ -236,7 +249,13 @@ class TenantScheduler(Closeable):
         """
         check_hashable(tenant, "tenant")  # an unhashable tenant fails here, at the call
         submit = functools.partial(self._submit, tenant)
-        return execution(submit, job, key, timeout, self._timeout)
+        return execution(submit, job, key, timeout, self._timeout, overflow)
+
+    @overload
+    def stats(self) -> SchedulerStats: ...
+
+    @overload
+    def stats(self, tenant: Hashable) -> CoordinatorStats: ...
 
     def stats(self, tenant: Hashable | None = None) -> CoordinatorStats | SchedulerStats:
         """``stats(tenant)``: that tenant's snapshot; ``stats()``: the totals over all tenants.
@@ -265,39 +284,80 @@ class TenantScheduler(Closeable):
             tenants = list(self._tenants.values())
             totals = dict(self._retired)
             evicted = self._evicted
-        queued = 0
+        queued = waiting = 0
         for live in tenants:
             snapshot = live.coordinator.stats()
             for field in totals:
                 totals[field] += getattr(snapshot, field)
             queued += snapshot.queued
+            waiting += snapshot.waiting
         return SchedulerStats(
             tenants=len(tenants),
             evicted=evicted,
             queued=queued,
             running=self._gate.running,
             max_concurrency=self._max_concurrency,
+            waiting=waiting,
             **totals,
         )
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, *, drain: bool = False) -> None:
         """Close every tenant as :meth:`TenantTaskCoordinator.close` does; idempotent.
 
-        New subscriptions fail with ``CoordinatorClosed``; queued and running jobs fail with it.
-        With ``wait``, returns once the owned worker threads have exited.
+        New subscriptions fail with ``CoordinatorClosed``, and so do submissions waiting for
+        room. With ``drain=False`` queued and running jobs fail with it too; with
+        ``drain=True`` every accepted job runs to its end and delivers its result first (the
+        global limit and fair shares still apply meanwhile). With ``wait``, returns once the
+        owned worker threads have exited.
+
+        Raises:
+            RuntimeError: ``drain=True`` on the event loop its async jobs need: use
+                ``await aclose(drain=True)``.
         """
+        tenants = self._begin_close()
+        if tenants is None:
+            return
+        if drain:
+            for tenant in tenants:
+                tenant.coordinator.close(wait=False, drain=True)
+        self._finish_close(tenants)
+        if self._pool is not None:
+            self._pool.shutdown(wait=wait)
+        self._closed()
+
+    async def aclose(self, *, drain: bool = False) -> None:
+        """:meth:`close` for asyncio code: awaits the drain and the workers, never blocks."""
+        tenants = self._begin_close()
+        if tenants is None:
+            return
+        if drain:
+            await asyncio.gather(*(t.coordinator.aclose(drain=True) for t in tenants))
+        self._finish_close(tenants)
+        if self._pool is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        self._closed()
+
+    async def __aenter__(self) -> TenantScheduler:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _begin_close(self) -> list[_Tenant] | None:
         with self._lock:
             if self._state is not CoordinatorState.OPEN:
-                return
-            self._state = CoordinatorState.CLOSING
-            tenants = list(self._tenants.values())
+                return None
+            self._state = CoordinatorState.CLOSING  # refuses new submissions from here on
+            return list(self._tenants.values())
+
+    def _finish_close(self, tenants: list[_Tenant]) -> None:
         # First stop the gate: while the tenants are closed one after another, a job finishing
         # in one tenant must not hand its global slot to a job of a tenant not closed yet.
         self._gate.close()
         for tenant in tenants:
             tenant.coordinator.close(wait=False)
-        if self._pool is not None:
-            self._pool.shutdown(wait=wait)
+
+    def _closed(self) -> None:
         with self._lock:
             for tenant in self._tenants.values():  # those not evicted while closing
                 self._retire(tenant, evicted=False)
@@ -319,6 +379,7 @@ class TenantScheduler(Closeable):
         key: Hashable | None,
         timeout: float | None,
         is_async: bool,
+        wait: bool | None,
         observer: abc.ObserverBase[Any],
         scheduler: abc.SchedulerBase | None,
     ) -> abc.DisposableBase:
@@ -342,7 +403,11 @@ class TenantScheduler(Closeable):
             return Disposable()
         coordinator = entry.coordinator
         try:
-            submission = cast(Execution[Any], coordinator.execute(job, key=key, timeout=timeout))
+            overflow = None if wait is None else ("wait" if wait else "reject")
+            submission = cast(
+                Execution[Any],
+                coordinator.execute(job, key=key, timeout=timeout, overflow=overflow),
+            )
             return submission.submit(observer, scheduler)
         finally:
             with self._lock:

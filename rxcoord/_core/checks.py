@@ -41,6 +41,7 @@ __all__ = [
     "check_hashable",
     "check_length",
     "check_name",
+    "check_overflow",
     "check_wait",
     "check_weight",
 ]
@@ -159,6 +160,22 @@ def check_weight(value: object, what: str) -> float:
             + ("; an infinite weight would starve every other tenant" if weight > 0 else "")
         )
     return weight
+
+
+def check_overflow(value: object, what: str = "overflow") -> bool:
+    """What to do with a submission beyond the limits: ``"reject"`` (False) or ``"wait"`` (True).
+
+    Raises:
+        ValueError: Anything but those two strings.
+    """
+    if value == "reject" and isinstance(value, str):
+        return False
+    if value == "wait" and isinstance(value, str):
+        return True
+    raise ValueError(
+        f'{what} must be "reject" (TooManyTasks beyond the limits) or "wait" (wait for room), '
+        f"not {value!r}"
+    )
 
 
 def check_name(value: object, what: str = "name") -> str:
