@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rxcoord._bench import BENCHMARKS, run_benchmarks
-from rxcoord._cli import main
-from rxcoord._demo import DemoConfig, make_workload, run_scheduled_job
+from rxcoord._cli.bench import BENCHMARKS, run_benchmarks
+from rxcoord._cli.main import main
+from rxcoord._cli.demo import DemoConfig, make_workload, run_scheduled_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,7 +102,7 @@ def test_bench_prints_one_table_of_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The table plumbing, on stand-in scripts (the real ones take minutes: `rxcoord bench`).
-    import rxcoord._bench as bench
+    import rxcoord._cli.bench as bench
 
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "pkg").mkdir()
@@ -113,7 +113,7 @@ def test_bench_prints_one_table_of_rows(
             "        options['notes'].append('no redis')\n"
             f"    return [('{name} workload', '10/s', 'baseline', '5/s', '2.00x', '>= 1x')]\n"
         )
-    monkeypatch.setattr(bench, "__file__", str(tmp_path / "pkg" / "_bench.py"))
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "pkg" / "_cli" / "bench.py"))
     monkeypatch.setattr(sys, "path", list(sys.path))  # _load adds the benchmarks directory
     for name in BENCHMARKS:  # import the stand-ins, not scripts an earlier test imported
         monkeypatch.delitem(sys.modules, name, raising=False)

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._demo import DemoConfig, DemoReport, run_demo
+from .demo import DemoConfig, DemoReport, run_demo
 
 __all__ = ["show_demo"]
 

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import TooManyTasks
-from ._tenant_scheduler import TenantScheduler
+from .._errors import TooManyTasks
+from .._tenant_scheduler import TenantScheduler
 
 __all__ = ["DemoConfig", "DemoReport", "run_demo"]
 
@@ -285,7 +285,7 @@ def _scheduled_worker(url: str, log: str, start: float, ticks: int, period: floa
     from reactivex import operators as ops
     from reactivex.scheduler import ImmediateScheduler
 
-    from .leases import leases_from_url
+    from ..leases import leases_from_url
 
     provider = leases_from_url(url)
     pid = os.getpid()
@@ -330,7 +330,7 @@ def run_scheduled_job(
                 [
                     sys.executable,
                     "-m",
-                    "rxcoord._demo",
+                    "rxcoord._cli.demo",
                     url,
                     log,
                     repr(start),
@@ -393,6 +393,6 @@ def run_demo(
     )
 
 
-if __name__ == "__main__":  # a scheduled-job process: python -m rxcoord._demo URL LOG START N P
+if __name__ == "__main__":  # a scheduled-job process: python -m rxcoord._cli.demo URL LOG START N P
     _url, _log, _start, _ticks, _period = sys.argv[1:6]
     _scheduled_worker(_url, _log, float(_start), int(_ticks), float(_period))

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ._errors import LeaseStoreUnavailable, RxcoordError
+from .._errors import LeaseStoreUnavailable, RxcoordError
 
 __all__ = ["main"]
 
@@ -106,7 +106,7 @@ def _check_store(url: str | None) -> None:
     """Fail fast, in this process, with one line, when the store cannot be reached."""
     if url is None:
         return
-    from .leases import leases_from_url
+    from ..leases import leases_from_url
 
     with leases_from_url(url) as provider:
         lease = provider.try_acquire("rxcoord-demo-probe", at_most_for=1.0)
@@ -115,7 +115,7 @@ def _check_store(url: str | None) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ._demo import DemoConfig, run_demo
+    from .demo import DemoConfig, run_demo
 
     url = _store_url(args)
     _check_store(url)
@@ -131,13 +131,13 @@ def _demo(args: argparse.Namespace) -> int:
         report = run_demo(config)
         print(report.to_json())
         return 0 if report.ok else 1
-    from ._demo_view import show_demo
+    from .views import show_demo
 
     return show_demo(config)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ._bench import run_benchmarks
+    from .bench import run_benchmarks
 
     return run_benchmarks(args.quick, redis_url=args.redis_url, postgres_url=args.postgres_url)
 

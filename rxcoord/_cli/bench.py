@@ -39,7 +39,7 @@ def run_benchmarks(quick: bool, *, redis_url: str | None, postgres_url: str | No
     from rich.console import Console
     from rich.table import Table
 
-    directory = Path(__file__).resolve().parent.parent / "benchmarks"
+    directory = Path(__file__).resolve().parents[2] / "benchmarks"
     if not (directory / "bench_serialize.py").is_file():
         raise RuntimeError(
             "rxcoord bench runs the scripts in benchmarks/ of a source checkout; "
