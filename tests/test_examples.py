@@ -24,6 +24,12 @@ EXPECTED = {
         "tenants with state left after going idle: 0",
     ],
     "async_jobs": ["download cancelled inside the job"],
+    "failures": [
+        "38 of 40 came out; 2 failures vanished",
+        "40 of 40 came out, 2 of them Failed: customer-1#3, customer-2#3",
+        "3. fail fast: the stream ended with ValueError",
+        "after executor.shutdown(wait=True): 0 running",
+    ],
 }
 
 
