@@ -329,8 +329,12 @@ def test_every_benchmark_script_exposes_bench_rows() -> None:
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
-        except ModuleNotFoundError as exc:  # e.g. a Kafka benchmark without the kafka extra
-            pytest.skip(f"{name} needs {exc.name}")
+        except ModuleNotFoundError as exc:
+            # An optional driver (a Kafka benchmark without the kafka extra): `rxcoord bench`
+            # leaves such a script out with a note. Anything else missing is a bug.
+            if (exc.name or "").split(".")[0] in ("confluent_kafka", "redis", "psycopg"):
+                continue
+            raise
         assert callable(getattr(module, "bench_rows", None)), name
 
 
