@@ -24,8 +24,13 @@ from .._errors import LeaseStoreUnavailable, RxcoordError
 __all__ = ["main"]
 
 # The extra that installs a module the CLI may miss (by top-level module name).
-_EXTRAS = {"rich": "cli", "redis": "redis", "hiredis": "redis", "psycopg": "postgres"}
-_EXTRAS.update({"psycopg_pool": "postgres"})
+_EXTRAS = {
+    "rich": "cli",
+    "redis": "redis",
+    "hiredis": "redis",
+    "psycopg": "postgres",
+    "psycopg_pool": "postgres",
+}
 
 # The scheduled job's store, by URL scheme. memory:// is left out on purpose: each process
 # would get a private store, so nothing would exclude the others.
