@@ -84,8 +84,13 @@ def run_fifo(flood: int) -> list[float]:
     return latencies
 
 
-def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str, str, str]]:
-    """Rows for ``rxcoord bench``."""
+def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str, str, str, bool]]:
+    """Rows for ``rxcoord bench``.
+
+    The seventh field says whether this run can judge the goal: a FIFO pool makes the light
+    tenants wait behind the whole flood, so the ratio grows with the flood's size, and the
+    ">= 20x" goal is set for the full 10,000-job flood; a --quick run's 2,000 cannot judge it.
+    """
     flood, repeat = (2_000, 1) if quick else (10_000, 3)
     ours: dict[str, list[float]] = {"p50": [], "p99": []}
     fifo: dict[str, list[float]] = {"p50": [], "p99": []}
@@ -105,6 +110,7 @@ def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str,
                 f"{b * 1000:.0f} ms",
                 f"{b / a:.1f}x lower",
                 ">= 20x lower" if q == "p99" else "",
+                not quick,
             )
         )
     return rows

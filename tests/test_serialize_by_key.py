@@ -207,6 +207,23 @@ def test_max_concurrent_not_an_int_is_rejected_at_creation(bad: Any) -> None:
         serialize_by_key(key_of, reactivex.just, max_concurrent=bad)
 
 
+@pytest.mark.parametrize(
+    ("key_mapper", "mapper", "name"),
+    [
+        (None, reactivex.just, "key_mapper"),
+        (key_of, None, "mapper"),
+        ("customer", reactivex.just, "key_mapper"),
+        (key_of, reactivex.just(1), "mapper"),
+    ],
+)
+def test_a_non_callable_mapper_is_rejected_at_creation(
+    key_mapper: Any, mapper: Any, name: str
+) -> None:
+    # At the call that builds the operator, not later at subscribe.
+    with pytest.raises(TypeError, match=f"{name} must be a callable"):
+        serialize_by_key(key_mapper, mapper)
+
+
 def test_future_returned_by_mapper_is_accepted() -> None:
     from concurrent.futures import Future
 

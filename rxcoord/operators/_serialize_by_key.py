@@ -103,9 +103,14 @@ def serialize_by_key(
         An operator function for ``Observable.pipe``.
 
     Raises:
-        TypeError: ``max_concurrent`` is not an int (or None).
+        TypeError: ``key_mapper`` or ``mapper`` is not callable, or ``max_concurrent`` is not an
+            int (or None).
         ValueError: ``max_concurrent`` is less than 1.
     """
+    # Checked here, not at subscribe: a pipeline is often built long before it is subscribed,
+    # and the error then points at the line that built it.
+    _check_callable("key_mapper", key_mapper)
+    _check_callable("mapper", mapper)
     cap = _check_cap(max_concurrent)
 
     def operator(source: Observable[_T]) -> Observable[_R]:
@@ -144,6 +149,13 @@ def subscribe_serialized(
     else:
         sink.run(source)
     return sink
+
+
+def _check_callable(name: str, value: object) -> None:
+    if not callable(value):
+        raise TypeError(
+            f"serialize_by_key: {name} must be a callable, not {type(value).__name__} ({value!r})"
+        )
 
 
 def _check_cap(max_concurrent: int | None) -> int:

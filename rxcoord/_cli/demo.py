@@ -11,11 +11,19 @@ Part 2 is ShedLock's scenario: several OS processes run the same scheduled job o
 schedule; a distributed lease (``at_least_for`` most of the period) lets exactly one of them run
 each tick. The processes log every run with its fencing token; a tick run twice is a failure.
 
-Everything is derived from ``--seed``: the same seed gives the same workload.
+What ``--seed`` fixes, and what it cannot: the workload - every message, its tenant, customer
+and position, the order of submission, and which messages are planned to fail, to overrun their
+timeout or to be cancelled - is a pure function of the config (:func:`make_workload`, summarised
+with a fingerprint in :class:`Workload`). The outcomes are not: whether a message is rejected
+depends on how full its tenant's queue is when it arrives, which depends on how fast this machine
+drains it; rejected messages are then not completed, failed or cancelled either, and latencies are
+measured. Those figures are reported as timing-dependent (``DemoReport.TIMING_DEPENDENT``). The
+checks hold on every run whatever the timing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -30,12 +38,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from ._errors import TooManyTasks
-from ._tenant_scheduler import TenantScheduler
+from .._errors import TooManyTasks
+from .._tenant_scheduler import TenantScheduler
 
-__all__ = ["DemoConfig", "DemoReport", "run_demo"]
+__all__ = ["DemoConfig", "DemoReport", "Workload", "describe_workload", "make_workload", "run_demo"]
 
 GLOBAL_LIMIT = 8
 TENANT_LIMIT = 3
@@ -45,6 +53,14 @@ JOB_TIMEOUT = 0.05
 
 @dataclass(frozen=True)
 class DemoConfig:
+    """What the demo runs; every figure of the workload derives from it.
+
+    Raises:
+        ValueError: A count is below 1, or there are fewer customers than tenants (a tenant
+            without a customer would send nothing, and the report would list fewer tenants
+            than asked for).
+    """
+
     tenants: int = 4
     customers: int = 24
     messages: int = 3000
@@ -53,6 +69,16 @@ class DemoConfig:
     processes: int = 3
     ticks: int = 10
     period: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("tenants", "customers", "messages", "processes", "ticks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DemoConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.customers < self.tenants:
+            raise ValueError(
+                f"customers ({self.customers}) must be at least tenants ({self.tenants}): "
+                "every tenant needs a customer to send its messages"
+            )
 
 
 @dataclass(frozen=True)
@@ -81,8 +107,88 @@ class TenantRow:
     limit: int = TENANT_LIMIT
 
 
+@dataclass(frozen=True)
+class TenantPlan:
+    """One tenant's share of the workload (fixed by the seed)."""
+
+    tenant: str
+    customers: int
+    messages: int
+    planned_failures: int  # the handler raises
+    planned_timeouts: int  # the handler runs past the job timeout
+    planned_cancels: int  # the caller disposes (while queued or while running)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is submitted, to whom, in what order: identical for one config on every run."""
+
+    seed: int
+    messages: int
+    tenants: list[TenantPlan]
+    fingerprint: str  # sha256 of every message in submission order
+
+
+def describe_workload(config: DemoConfig, messages: list[Message] | None = None) -> Workload:
+    """The workload of ``config`` as figures and a fingerprint (no timing in it)."""
+    messages = make_workload(config) if messages is None else messages
+    digest = hashlib.sha256()
+    for m in messages:
+        digest.update(repr(astuple_message(m)).encode())
+    plans = []
+    for t in range(config.tenants):
+        tenant = f"tenant-{t}"
+        mine = [m for m in messages if m.tenant == tenant]
+        plans.append(
+            TenantPlan(
+                tenant=tenant,
+                customers=len(range(t, config.customers, config.tenants)),
+                messages=len(mine),
+                planned_failures=sum(m.fails for m in mine),
+                planned_timeouts=sum(m.latency > JOB_TIMEOUT for m in mine),
+                planned_cancels=sum(m.cancel_after is not None for m in mine),
+            )
+        )
+    return Workload(
+        seed=config.seed,
+        messages=len(messages),
+        tenants=plans,
+        fingerprint=digest.hexdigest()[:16],
+    )
+
+
+def astuple_message(m: Message) -> tuple[object, ...]:
+    """A message as plain values, floats rounded to the microsecond (stable across runs)."""
+    cancel = None if m.cancel_after is None else round(m.cancel_after, 6)
+    return (m.index, m.tenant, m.customer, m.seq, round(m.latency, 6), m.fails, cancel)
+
+
 @dataclass
 class DemoReport:
+    """The demo's figures and checks.
+
+    ``workload`` is fixed by the seed; the fields named in :attr:`TIMING_DEPENDENT` (per-tenant
+    outcomes, latencies, the concurrency reached) depend on the machine's timing and change from
+    run to run; the violation counts must be 0 on every run.
+    """
+
+    TIMING_DEPENDENT: ClassVar[tuple[str, ...]] = (
+        "tenants[].completed",
+        "tenants[].failed",
+        "tenants[].rejected",
+        "tenants[].cancelled",
+        "tenants[].timed_out",
+        "tenants[].p50_ms",
+        "tenants[].p99_ms",
+        "tenants[].max_running",
+        "global_max_running",
+        "scheduled_runs",
+        "scheduled_ticks",
+        "tokens",
+        "seconds",
+    )
+
+    workload: Workload
     tenants: list[TenantRow]
     global_max_running: int
     global_limit: int
@@ -110,6 +216,7 @@ class DemoReport:
     def to_json(self) -> str:
         data = asdict(self)
         data["ok"] = self.ok
+        data["timing_dependent"] = list(self.TIMING_DEPENDENT)
         return json.dumps(data, indent=2)
 
 
@@ -259,7 +366,8 @@ def run_service(
             if rng.random() < 0.6:
                 time.sleep(0.0008)  # arrivals are spread out (bursts excepted)
         finished.wait(60)
-    rows = {t: TenantRow(tenant=t) for t in sorted({m.tenant for m in messages})}
+    # One row per configured tenant, in order, so that the table matches the header.
+    rows = {f"tenant-{t}": TenantRow(tenant=f"tenant-{t}") for t in range(config.tenants)}
     latencies: dict[str, list[float]] = {t: [] for t in rows}
     for m in messages:
         row = rows[m.tenant]
@@ -285,7 +393,7 @@ def _scheduled_worker(url: str, log: str, start: float, ticks: int, period: floa
     from reactivex import operators as ops
     from reactivex.scheduler import ImmediateScheduler
 
-    from .leases import leases_from_url
+    from ..leases import leases_from_url
 
     provider = leases_from_url(url)
     pid = os.getpid()
@@ -330,7 +438,7 @@ def run_scheduled_job(
                 [
                     sys.executable,
                     "-m",
-                    "rxcoord._demo",
+                    "rxcoord._cli.demo",
                     url,
                     log,
                     repr(start),
@@ -369,6 +477,16 @@ def run_demo(
     on_message: Callable[[int], None] | None = None,
     on_tick: Callable[[int], None] | None = None,
 ) -> DemoReport:
+    """Run both parts of the demo and check them.
+
+    Args:
+        config: What to run.
+        on_message: Called with the number of messages settled so far (a progress bar).
+        on_tick: Called with the number of scheduled-job ticks elapsed so far.
+
+    Raises:
+        RuntimeError: A scheduled-job process failed (its last stderr line is in the message).
+    """
     started = time.perf_counter()
     rows, checker = run_service(config, on_message)
     runs, ticks, double, tokens, store = run_scheduled_job(config, on_tick)
@@ -377,6 +495,7 @@ def run_demo(
         checker.max_total > GLOBAL_LIMIT
     )
     return DemoReport(
+        workload=describe_workload(config),
         tenants=rows,
         global_max_running=checker.max_total,
         global_limit=GLOBAL_LIMIT,
@@ -393,6 +512,6 @@ def run_demo(
     )
 
 
-if __name__ == "__main__":  # a scheduled-job process: python -m rxcoord._demo URL LOG START N P
+if __name__ == "__main__":  # a scheduled-job process: python -m rxcoord._cli.demo URL LOG START N P
     _url, _log, _start, _ticks, _period = sys.argv[1:6]
     _scheduled_worker(_url, _log, float(_start), int(_ticks), float(_period))
