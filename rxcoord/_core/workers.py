@@ -70,17 +70,15 @@ class WorkerPool:
             return len(self._threads)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop accepting work; workers exit once the queue is drained.
+        """Stop accepting work; workers exit once the queue is drained. Idempotent.
 
         With ``wait`` the call returns only when every worker thread has exited (it never waits
-        for itself when called from a worker).
+        for itself when called from a worker), also when an earlier call did not wait.
         """
         with self._lock:
-            if self._closed:
-                threads: list[threading.Thread] = []
-            else:
+            threads = list(self._threads)
+            if not self._closed:
                 self._closed = True
-                threads = list(self._threads)
                 for _ in threads:
                     self._queue.put(None)
         if wait:
