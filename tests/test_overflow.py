@@ -4,6 +4,7 @@ draining close, on ``TenantTaskCoordinator`` and ``TenantScheduler``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -159,7 +160,9 @@ def test_cancelled_waiting_submissions_never_run_and_leave_nothing_behind() -> N
         done = threading.Event()
         c.execute(lambda: gate.wait(WAIT)).subscribe(on_completed=done.set)
         c.execute(lambda: None).subscribe()  # queued
-        subscriptions = [c.execute(lambda i=i: ran.append(i)).subscribe() for i in range(200)]
+        subscriptions = [
+            c.execute(functools.partial(ran.append, i)).subscribe() for i in range(200)
+        ]
         assert c.stats().waiting == 200
         for s in subscriptions[:-1]:
             s.dispose()
@@ -242,7 +245,7 @@ def test_sync_threads_and_asyncio_tasks_share_one_waiting_coordinator() -> None:
             return tag
 
         return await asyncio.gather(
-            *(c.execute(lambda i=i: job(("a", i)), key=("a", i % 3)) for i in range(60))
+            *(c.execute(functools.partial(job, ("a", i)), key=("a", i % 3)) for i in range(60))
         )
 
     threads = [threading.Thread(target=thread_producer, args=(n,)) for n in range(4)]
@@ -270,7 +273,7 @@ def test_the_scheduler_waits_per_tenant() -> None:
         got: list[int] = []
         done = threading.Semaphore(0)
         for i in range(5):
-            s.execute("a", lambda i=i: got.append(i)).subscribe(on_completed=done.release)
+            s.execute("a", functools.partial(got.append, i)).subscribe(on_completed=done.release)
         assert s.stats().waiting == 5
         assert s.stats("a").waiting == 5
         assert s.execute("b", lambda: "b").run() == "b"  # another tenant is not held up
@@ -356,11 +359,12 @@ def test_drain_delivers_every_accepted_result_and_refuses_new_work() -> None:
 
         return run
 
+    def keep(value: int) -> None:
+        with lock:
+            results.append(value)
+
     for i in range(12):
-        c.execute(job(i), key=i % 3).subscribe(
-            lambda v: (lock.acquire(), results.append(v), lock.release()),
-            errors.append,
-        )
+        c.execute(job(i), key=i % 3).subscribe(keep, errors.append)
     closer = threading.Thread(target=c.close, kwargs={"drain": True})
     closer.start()
     deadline = time.monotonic() + WAIT
@@ -384,7 +388,7 @@ async def test_aclose_drain_on_the_loop_lets_async_jobs_finish() -> None:
         await asyncio.sleep(0.01)
         return i
 
-    futures = [asyncio.ensure_future(c.execute(lambda i=i: job(i))) for i in range(8)]
+    futures = [asyncio.ensure_future(c.execute(functools.partial(job, i))) for i in range(8)]
     await asyncio.sleep(0)
     async with Ticker() as ticker:
         await c.aclose(drain=True)
@@ -409,6 +413,11 @@ def test_scheduler_drain_finishes_every_tenant() -> None:
     s = TenantScheduler(max_concurrency=2, tenant_max_concurrency=1, tenant_max_queue_size=5)
     results: list[str] = []
     lock = threading.Lock()
+
+    def keep(value: str) -> None:
+        with lock:
+            results.append(value)
+
     for tenant in "abc":
         for i in range(3):
 
@@ -416,15 +425,28 @@ def test_scheduler_drain_finishes_every_tenant() -> None:
                 gate.wait(WAIT)
                 return tag
 
-            s.execute(tenant, job).subscribe(
-                lambda v: (lock.acquire(), results.append(v), lock.release())
-            )
+            s.execute(tenant, job).subscribe(keep)
     threading.Timer(0.05, gate.set).start()
     s.close(drain=True)
     assert sorted(results) == sorted(f"{t}{i}" for t in "abc" for i in range(3))
 
 
 # -- a model of submit / cancel / run / close, with waiting -----------------------------------
+
+
+def _recorder(
+    log: list[str],
+) -> tuple[Callable[[Any], None], Callable[[Exception], None], Callable[[], None]]:
+    def on_next(_: Any) -> None:
+        log.append("value")
+
+    def on_error(error: Exception) -> None:
+        log.append(type(error).__name__)
+
+    def on_completed() -> None:
+        log.append("completed")
+
+    return on_next, on_error, on_completed
 
 
 class ManualScheduler(Scheduler):
@@ -441,7 +463,7 @@ class ManualScheduler(Scheduler):
     def schedule_relative(self, duetime: Any, action: Any, state: Any = None) -> Any:
         raise NotImplementedError
 
-    def schedule_absolute(self, duetime: datetime, action: Any, state: Any = None) -> Any:
+    def schedule_absolute(self, duetime: datetime | float, action: Any, state: Any = None) -> Any:
         raise NotImplementedError
 
 
@@ -480,9 +502,7 @@ def test_model_of_submit_cancel_run_close_with_waiting(ops: list[tuple[Any, Any,
 
             subscriptions.append(
                 c.execute(job, key=arg, overflow="wait" if flag else "reject").subscribe(
-                    lambda v, i=i: outcomes[i].append("value"),
-                    lambda e, i=i: outcomes[i].append(type(e).__name__),
-                    lambda i=i: outcomes[i].append("completed"),
+                    *_recorder(outcomes[i])
                 )
             )
         elif op == "cancel" and subscriptions:
