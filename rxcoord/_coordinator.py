@@ -2,15 +2,16 @@
 
 The shape is the Reactor original's, kept visible::
 
-    execute(job) --subscribe--> WIP check --> sink (Subject) --> serialize_by_key(key, cap)
+    execute(job) --subscribe--> WIP check --> sink --> serialize_by_key(key, cap) --> admission
                                                                           |
           subscriber <-- result (after WIP is decremented) <-- job on the scheduler
 
 * **Work in progress.** Subscribing counts the job; beyond ``max_concurrency + max_queue_size``
   the subscriber gets ``TooManyTasks`` at once and nothing is counted.
-* **The sink.** A ``Subject`` into which every accepted task is pushed, from any thread.
-  ``serialize_by_key`` is safe with concurrent source emissions, so the Subject's unlocked
-  fan-out (one of the traps of reactivex 6.1) cannot hurt here.
+* **The sink.** Every accepted task is pushed into the ``serialize_by_key`` subscription, from
+  any thread (Reactor's sink is a Subject; pushing directly saves a Subject's per-item lock and
+  observer-list copy). ``serialize_by_key`` is safe with concurrent source emissions, the
+  trap a Subject's unlocked fan-out sets in reactivex 6.1.
 * **Ordering and the limit.** ``serialize_by_key`` orders tasks of equal key and caps active
   tasks at ``max_concurrency`` (a race-free ``flat_map(max_concurrent)``). Unkeyed tasks are
   their own key, so they only share the cap.
@@ -58,7 +59,6 @@ from reactivex import Observable, Observer, abc
 from reactivex.disposable import Disposable
 from reactivex.scheduler import VirtualTimeScheduler
 from reactivex.scheduler.eventloop import AsyncIOScheduler
-from reactivex.subject import Subject
 
 from ._admission import Admission, AdmissionTicket
 from ._core.checks import (
@@ -73,7 +73,7 @@ from ._core.timer import call_later
 from ._core.waiter import GRANTED, PENDING
 from ._core.workers import WorkerPool, hand_off
 from ._errors import CoordinatorClosed, TooManyTasks
-from ._execution import execution
+from ._execution import AwaitObserver, execution
 from ._key_guard import KeyGuard, LeaseKeyGuard
 from .operators._serialize_by_key import SerializedSubscription, subscribe_serialized
 
@@ -345,7 +345,7 @@ class TenantTaskCoordinator(Closeable):
         else:
             raise TypeError(f"scheduler must be a reactivex scheduler or None, not {scheduler!r}")
 
-        self._sink, self._pipeline = self._build_pipeline()
+        self._pipeline = self._build_pipeline()
 
     def _became_idle(self) -> None:
         on_idle = self._on_idle
@@ -359,21 +359,21 @@ class TenantTaskCoordinator(Closeable):
             for callback in callbacks:
                 callback()
 
-    def _build_pipeline(self) -> tuple[Subject[_Task], SerializedSubscription[_Task, None]]:
-        """The sink, and the pipeline from it: per-key order and the cap; each task runs itself.
+    def _build_pipeline(self) -> SerializedSubscription[_Task, None]:
+        """The pipeline: per-key order and the cap; each task runs itself.
 
-        That is ``sink.pipe(serialize_by_key(...)).subscribe(on_error=...)``, subscribed through
+        That is ``sink.pipe(serialize_by_key(...)).subscribe(on_error=...)`` with the task sink
+        being the pipeline's own ``push`` (Reactor's sink is a Subject; a Subject would add a
+        lock and a copy of its observer list per job), subscribed through
         ``subscribe_serialized`` to keep the subscription's ``purge()`` (see ``_settle``).
         """
-        sink: Subject[_Task] = Subject()
-        pipeline = subscribe_serialized(
-            sink,
+        return subscribe_serialized(
+            None,
             attrgetter("lane_key"),
             _identity,
             Observer(on_error=self._pipeline_fault),
             max_concurrent=self._max_concurrency,
         )
-        return sink, pipeline
 
     # -- public API --------------------------------------------------------------------------
 
@@ -638,7 +638,7 @@ class TenantTaskCoordinator(Closeable):
                 self._log.info("rejected: {}", error)
             observer.on_error(error)
             return Disposable()
-        self._sink.on_next(task)
+        self._pipeline.push(task)
         return task
 
     def _too_many(self) -> TooManyTasks:
@@ -685,7 +685,7 @@ class TenantTaskCoordinator(Closeable):
                     task.state = _QUEUED
                     self._waiting_count -= 1
                     self._queued += 1
-                self._sink.on_next(task)
+                self._pipeline.push(task)
         except BaseException:
             with self._lock:
                 self._admitting = False
@@ -841,6 +841,14 @@ class TenantTaskCoordinator(Closeable):
     def _start_async(self, task: _Task) -> None:
         loop = task.job_loop
         assert loop is not None
+        observer = task.observer
+        if type(observer) is AwaitObserver and task.is_async and observer.loop is loop:
+            # ``await execute(job)``: the job runs inside the awaiting task, no task of its own.
+            if _get_running_loop() is loop:
+                observer.turn.grant(task)
+            else:
+                loop.call_soon_threadsafe(observer.turn.grant, task)
+            return
 
         def create() -> None:
             job = task.job
@@ -848,10 +856,7 @@ class TenantTaskCoordinator(Closeable):
                 self._finish(task, None, None)
                 return
             try:
-                awaitable = job()
-                guard = self._guard
-                if guard is not None and task.lane_key is not task and task.is_async:
-                    awaitable = _guarded(guard, task.lane_key[1], awaitable)  # type: ignore[index]
+                awaitable = self._awaitable(task, job)
                 if inspect.iscoroutine(awaitable):
                     future: asyncio.Future[Any] = loop.create_task(awaitable)
                 else:
@@ -870,6 +875,65 @@ class TenantTaskCoordinator(Closeable):
             create()
         else:
             loop.call_soon_threadsafe(create)
+
+    def _awaitable(self, task: _Task, job: Callable[[], Any]) -> Any:
+        """What an async job's run awaits: the job's awaitable, inside the key guard if any."""
+        awaitable = job()
+        guard = self._guard
+        if guard is not None and task.lane_key is not task and task.is_async:
+            awaitable = _guarded(guard, task.lane_key[1], awaitable)  # type: ignore[index]
+        return awaitable
+
+    def _abandon(self, task: _Task) -> None:
+        """A turn handed to an awaiter that had gone (its task was cancelled): free the slot."""
+        self._finish(task, None, None)
+
+    async def run_inline(self, task: _Task, observer: AwaitObserver) -> Any:
+        """Run an async job's turn in the awaiting task itself; its outcome, or its error.
+
+        This is ``await execute(job)``'s fast path: no task per job, and a job that can start
+        at once starts without a trip through the event loop. Cancellation keeps its meaning:
+        a dispose, a timeout or a close cancels the awaiting task inside the job (and the
+        awaiter gets ``TimeoutError`` / ``CoordinatorClosed``, as it would otherwise); the
+        awaiting task's own cancellation cancels the job.
+        """
+        job = task.job
+        if job is None or task.settled:  # timed out or closed between the turn and now
+            self._finish(task, None, None)
+            return await observer.outcome()
+        current = asyncio.current_task()
+        try:
+            awaitable = self._awaitable(task, job)
+        except BaseException as exc:  # reported like any job error
+            self._finish(task, None, exc)
+            return await observer.outcome()
+        with self._lock:
+            cancelled = task.settled
+            task.handle = current
+        if cancelled:
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()
+            self._finish(task, None, None)
+            return await observer.outcome()
+        try:
+            value = await awaitable
+        except asyncio.CancelledError as exc:
+            with self._lock:
+                ours = task.settled  # a timeout, close or dispose settled it, then cancelled us
+                task.handle = None
+            if not ours:  # the awaiting task itself was cancelled: that cancels the job
+                self._cancel(task, None)
+                self._finish(task, None, None)
+                raise
+            self._finish(task, None, exc)
+            if current is not None:
+                current.uncancel()  # the cancellation was our means, not the awaiter's wish
+            return await observer.outcome()
+        except BaseException as exc:
+            self._finish(task, None, exc)
+            return await observer.outcome()
+        self._finish(task, value, None)
+        return await observer.outcome()
 
     def _async_done(self, task: _Task, future: asyncio.Future[Any]) -> None:
         if future.cancelled():
@@ -1086,10 +1150,10 @@ class TenantTaskCoordinator(Closeable):
         if self._state is not CoordinatorState.OPEN:
             return  # a fault racing close(): every task is settled by close() already
         self._log.opt(exception=error).critical("pipeline of {!r} failed", self._name)
-        sink, pipeline = self._build_pipeline()
+        pipeline = self._build_pipeline()
         with self._lock:
             tasks = list(self._tasks)
-            self._sink, self._pipeline = sink, pipeline
+            self._pipeline = pipeline
         for task in tasks:
             task.lane = None  # its slot belonged to the dead pipeline
             self._cancel(task, error)

@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable, Generator, Hashable
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Final, Protocol, TypeVar, cast
 
 from reactivex import Observable, abc
 
 from ._core.checks import check_deadline, check_hashable, check_overflow
 from ._core.futures import FutureObserver
+from ._core.waiter import Waiter
 
-__all__ = ["Execution", "Submit", "execution"]
+__all__ = ["AwaitObserver", "Execution", "Submit", "execution"]
 
 _T = TypeVar("_T")
 
@@ -98,27 +99,95 @@ class Execution(Observable[_T]):
         """``await coordinator.execute(job)``: the job's result, or its exception.
 
         Same outcome as reactivex's ``Observable.__await__``, minus its ``to_future`` operator
-        layer: the outcome is delivered on this loop straight into a future. Cancelling the
-        awaiting task cancels the job.
+        layer: the outcome is delivered on this loop straight into a future, and an ``async
+        def`` job whose turn comes runs inside the awaiting task itself (no task per job).
+        Cancelling the awaiting task cancels the job.
         """
+        return self._await().__await__()
+
+    async def _await(self) -> _T:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[_T] = loop.create_future()
+        future: asyncio.Future[Any] = loop.create_future()
+        observer = AwaitObserver(future, loop)
         subscription = self._submit(
-            self._job,
-            self._key,
-            self._timeout,
-            self._is_async,
-            self._wait,
-            FutureObserver(future),
-            None,
+            self._job, self._key, self._timeout, self._is_async, self._wait, observer, None
         )
+        try:
+            result = await future
+        except asyncio.CancelledError:
+            subscription.dispose()
+            # A turn granted as we were cancelled is given back (the slot freed), never lost.
+            observer.turn.cancel()
+            raise
+        if result is not _TURN:
+            return cast(_T, result)
+        task = observer.turn.take()
+        assert task is not None
+        return cast(_T, await task.coordinator.run_inline(task, observer))
 
-        def on_done(f: asyncio.Future[_T]) -> None:
-            if f.cancelled():
-                subscription.dispose()
 
-        future.add_done_callback(on_done)
-        return future.__await__()
+class AwaitObserver(FutureObserver):
+    """The observer of an awaited execution: an outcome, or the job's turn to run inline.
+
+    ``turn`` is the one waiter primitive: the coordinator grants it the task when the job's
+    turn comes (the awaiting task then runs the job); an awaiter that is gone by then gives it
+    back, and the coordinator frees the slot. After the turn the outcome is kept here, since
+    the future already woke the awaiter.
+    """
+
+    __slots__ = ("_ended", "_error", "_later", "loop", "turn")
+
+    def __init__(self, future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(future)
+        self.loop = loop
+        self.turn: Waiter[Any] = Waiter(_give_back)
+        self._error: Exception | None = None
+        self._ended = False  # the outcome after the turn has arrived
+        self._later: asyncio.Future[None] | None = None  # awaited if it had not yet
+        self.turn.bind(self._wake)
+
+    def _wake(self) -> None:
+        if not self._future.done():
+            self._future.set_result(_TURN)
+
+    def on_error(self, error: Exception) -> None:
+        if self._future.done():  # woken for the turn already: keep it for outcome()
+            self._error = error
+            self._end()
+        else:
+            super().on_error(error)
+
+    def on_completed(self) -> None:
+        if self._future.done():
+            self._end()
+        else:
+            super().on_completed()
+
+    def _end(self) -> None:
+        self._ended = True
+        later = self._later
+        if later is not None and not later.done():
+            later.set_result(None)
+
+    async def outcome(self) -> Any:
+        """After an inline run: the job's value, or raise its error.
+
+        A timeout or a close decided on another thread delivers its error through the loop,
+        possibly after the run ended here: wait for it rather than guess.
+        """
+        if not self._ended:
+            self._later = self.loop.create_future()
+            await self._later
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _give_back(task: Any) -> None:
+    task.coordinator._abandon(task)
+
+
+_TURN: Final = object()  # resolves an awaiter's future: "your job's turn, run it here"
 
 
 class _Callbacks(abc.ObserverBase[Any]):

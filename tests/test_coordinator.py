@@ -781,7 +781,7 @@ def test_a_pipeline_fault_fails_live_jobs_and_a_fresh_pipeline_takes_over() -> N
             queued.subscribe_to(c.execute(lambda: "never"))
             assert gate.started.wait(WAIT)
             boom = RuntimeError("injected pipeline fault")
-            c._sink.on_error(boom)
+            c._pipeline.fail(boom)  # as if the source had failed
             assert running.error is boom
             assert queued.error is boom
             gate.open()

@@ -536,3 +536,77 @@ def test_model_of_submit_cancel_run_close_with_waiting(ops: list[tuple[Any, Any,
         order = [i for k, i in started if k == key]
         assert order == sorted(order)
     assert len({i for _, i in started}) == len(started)  # nothing ran twice
+
+
+# -- the inline fast path of ``await execute(async_job)`` -------------------------------------
+
+
+async def test_awaited_async_jobs_run_in_the_awaiting_task() -> None:
+    async with TenantTaskCoordinator(max_concurrency=2) as c:
+        outer = asyncio.current_task()
+
+        async def job() -> asyncio.Task[Any] | None:
+            return asyncio.current_task()
+
+        assert await c.execute(job) is outer  # no task of its own
+
+
+async def test_a_timeout_decided_before_the_inline_run_starts_still_raises_timeout() -> None:
+    # The timer thread settles the task between the turn and the inline start: the awaiter
+    # must get the TimeoutError that is on its way through the loop, not a CancelledError.
+    c = TenantTaskCoordinator(max_concurrency=1, timeout=0.01)
+    ran: list[str] = []
+
+    async def job() -> None:
+        ran.append("ran")
+
+    original = c.run_inline
+
+    async def late_start(task: Any, observer: Any) -> Any:
+        await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.05)
+        return await original(task, observer)
+
+    c.run_inline = late_start  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError):
+        await c.execute(job)
+    assert ran == []
+    await c.aclose()
+
+
+async def test_cancelling_the_awaiter_cancels_an_inline_job_and_frees_its_slot() -> None:
+    async with TenantTaskCoordinator(max_concurrency=1) as c:
+        inside = asyncio.Event()
+        cancelled = asyncio.Event()
+
+        async def job() -> None:
+            inside.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        waiter = asyncio.ensure_future(c.execute(job))
+        await inside.wait()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert cancelled.is_set()
+        assert c.stats().work_in_progress == 0
+        assert await c.execute(lambda: 5) == 5  # the slot is free again
+
+
+async def test_close_fails_an_inline_job_with_coordinator_closed_not_cancelled() -> None:
+    c = TenantTaskCoordinator(max_concurrency=1)
+    inside = asyncio.Event()
+
+    async def job() -> None:
+        inside.set()
+        await asyncio.sleep(60)
+
+    waiter = asyncio.ensure_future(c.execute(job))
+    await inside.wait()
+    await c.aclose()
+    with pytest.raises(CoordinatorClosed):
+        await waiter
+    assert not waiter.cancelled()

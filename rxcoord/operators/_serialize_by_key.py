@@ -125,7 +125,7 @@ def serialize_by_key(
 
 
 def subscribe_serialized(
-    source: Observable[_T],
+    source: Observable[_T] | None,
     key_mapper: Callable[[_T], Hashable],
     mapper: Callable[[_T], abc.ObservableBase[_R]],
     observer: abc.ObserverBase[_R],
@@ -136,9 +136,13 @@ def subscribe_serialized(
 
     Returns the subscription itself: ``dispose()`` unsubscribes, and ``purge()`` drops queued
     items that have become pointless (the coordinator's tasks cancelled while queued), which an
-    Rx subscription cannot express.
+    Rx subscription cannot express. With ``source=None`` the caller is the source and emits with
+    ``push(item)`` (thread-safe, like every source of this operator): the coordinator's sink,
+    minus a ``Subject``'s per-item lock and observer-list copy.
     """
     sink = _Sink(observer, None, key_mapper, mapper, _check_cap(max_concurrent))
+    if source is None:
+        return sink  # the caller is the source: it calls ``push`` (no Subject in between)
     if type(source) is Subject:
         # A plain Subject emits nothing while it is subscribed, so Observable.subscribe's
         # AutoDetachObserver and trampoline pass buy nothing; they were most of the cost of
@@ -264,6 +268,10 @@ class _Sink(Generic[_T, _R]):
         return Disposable(self._dispose)
 
     # -- source side -------------------------------------------------------------------------
+
+    def push(self, item: _T) -> None:
+        """Emit ``item`` as the source would (see ``subscribe_serialized(None, ...)``)."""
+        self._on_source_next(item)
 
     def _on_source_next(self, item: _T) -> None:
         try:
