@@ -91,7 +91,8 @@ def test_execute_is_cold_and_each_subscription_is_one_submission(
     assert executor.stats().submitted == 2
     scheduler.advance_by(1)
     assert (first.values, second.values) == ([1], [2])
-    assert first.completed and second.completed
+    assert first.completed
+    assert second.completed
 
 
 def test_emits_the_result_once_and_completes(executor: Executor) -> None:
@@ -458,9 +459,7 @@ def test_seed_scenario_ten_threads_one_customer_three_numbers_each(
 
     def submit(i: int) -> None:
         barrier.wait()
-        outcomes[i].subscribe_to(
-            executor.execute(lambda: append_three(i * 10), key="customer-1")
-        )
+        outcomes[i].subscribe_to(executor.execute(lambda: append_three(i * 10), key="customer-1"))
 
     threads = [threading.Thread(target=submit, args=(i,)) for i in range(10)]
     for t in threads:

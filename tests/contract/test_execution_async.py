@@ -12,10 +12,10 @@ import threading
 from collections.abc import Awaitable, Callable
 
 import pytest
+from execution_support import ThreadedVirtualScheduler
 from reactivex import operators as ops
 from reactivex.testing import TestScheduler
 
-from execution_support import ThreadedVirtualScheduler
 from rxcoord import CoordinatorClosed, TooManyTasks
 
 from .conftest import Executor, MakeExecutor
