@@ -113,6 +113,17 @@ class ThreadedVirtualScheduler(TestScheduler):
                 f"{self._returned} of {count} hand-offs returned"
             )
 
+    def wait_quiescent(self) -> None:
+        """Block until every hand-off has returned.
+
+        A hand-off that starts another job (a slot freed, a permit passed on) does so before it
+        returns, so once all have returned no work is left anywhere.
+        """
+        with self._changed:
+            assert self._changed.wait_for(lambda: self._returned == len(self._threads), WAIT), (
+                f"{self._returned} of {len(self._threads)} hand-offs returned"
+            )
+
     def join(self) -> None:
         """Wait for every hand-off thread (test teardown)."""
         with self._changed:
