@@ -45,7 +45,7 @@ class Executor:
 
     def execute(
         self,
-        job: Callable[[], Any],
+        job: Callable[..., Any],  # "...": lambdas with default arguments (i=i) are jobs too
         *,
         key: Hashable | None = None,
         timeout: float | None = None,

@@ -135,7 +135,7 @@ def test_bad_execute_arguments_fail_at_the_call(executor: Executor) -> None:
     with pytest.raises(TypeError, match="callable"):
         executor.execute(42)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        executor.execute(lambda: 1, key=["unhashable"])
+        executor.execute(lambda: 1, key=["unhashable"])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout"):
         executor.execute(lambda: 1, timeout=-1)
     assert executor.stats().submitted == 0
