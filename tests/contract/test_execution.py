@@ -616,9 +616,11 @@ def test_close_fails_queued_and_running_jobs_and_leaves_no_thread(
 
 
 def test_context_manager_and_dispose_close(make_executor: MakeExecutor) -> None:
-    with make_executor(name="ctx").target as target:
-        assert target.state is CoordinatorState.OPEN
-    assert target.state is CoordinatorState.CLOSED  # type: ignore[comparison-overlap]
+    executor = make_executor(name="ctx")
+    with executor.target as target:
+        assert target is executor.target
+        assert executor.execute(lambda: 1).run() == 1
+    assert executor.state is CoordinatorState.CLOSED
     disposed = make_executor()
     assert isinstance(disposed.target, abc.DisposableBase)
     disposed.target.dispose()
