@@ -23,7 +23,7 @@ from reactivex.testing import TestScheduler
 
 from rxcoord import CoordinatorClosed, CoordinatorState, TooManyTasks
 
-from .conftest import Executor, MakeExecutor
+from .executors import Executor, MakeExecutor
 
 
 @pytest.fixture

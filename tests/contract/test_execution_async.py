@@ -18,7 +18,7 @@ from reactivex.testing import TestScheduler
 
 from rxcoord import CoordinatorClosed, TooManyTasks
 
-from .conftest import Executor, MakeExecutor
+from .executors import Executor, MakeExecutor
 
 
 async def forever() -> None:
