@@ -5,7 +5,6 @@ per-key order and exclusion (point 5) at every step, and the accounting at the e
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +127,10 @@ def test_random_workloads_with_a_purge_on_every_cancel(ops: list[tuple[Any, ...]
 def run_workload(ops: list[tuple[Any, ...]]) -> None:
     checker = Checker()
     jobs: list[Job] = []
-    with TenantTaskCoordinator(max_concurrency=MAX_CONCURRENCY, max_queue_size=MAX_QUEUE) as c:
+    idle = threading.Event()  # the coordinator's work in progress dropped to zero
+    with TenantTaskCoordinator(
+        max_concurrency=MAX_CONCURRENCY, max_queue_size=MAX_QUEUE, on_idle=idle.set
+    ) as c:
         for op in ops:
             if op[0] == "submit":
                 _, key, behaviour, timeout = op
@@ -145,13 +147,15 @@ def run_workload(ops: list[tuple[Any, ...]]) -> None:
             stats = c.stats()
             assert stats.work_in_progress <= MAX_CONCURRENCY + MAX_QUEUE
             assert stats.running <= MAX_CONCURRENCY
+        # Nothing is submitted from here on, so the work in progress only drops: once it is
+        # zero (or the next time it drops to zero) the coordinator is idle for good.
+        idle.clear()
         for job in jobs:
             job.gate.set()
-        deadline = time.monotonic() + WAIT
-        while c.work_in_progress:
-            assert time.monotonic() < deadline, "coordinator never became idle"
-            time.sleep(0.001)
+        if c.work_in_progress:
+            assert idle.wait(WAIT), "coordinator never became idle"
         stats = c.stats()
+        assert stats.work_in_progress == 0
 
     assert checker.violations == []
     for key, indices in checker.started.items():

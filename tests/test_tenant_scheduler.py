@@ -1,10 +1,12 @@
-"""Guarantees of ``TenantScheduler``: per-tenant contract, global limit, fairness, eviction."""
+"""Guarantees only ``TenantScheduler`` has: limits across tenants, the global limit, fairness,
+weights, eviction. Each tenant's ``execute`` contract (what a coordinator promises) is tested
+once for both in ``tests/contract/``, through a tenant."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import statistics
+import queue
 import threading
 import time
 import tracemalloc
@@ -12,10 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from execution_support import WAIT, Gate, Outcome, ThreadedVirtualScheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loguru import logger
-from reactivex import abc
+from reactivex.testing import TestScheduler
 
 from rxcoord import (
     CoordinatorClosed,
@@ -26,30 +29,9 @@ from rxcoord import (
     TooManyTasks,
 )
 
-WAIT = 10.0
-
-
-class Outcome(abc.ObserverBase[Any]):
-    def __init__(self) -> None:
-        self.values: list[Any] = []
-        self.error: Exception | None = None
-        self.done = threading.Event()
-        self.finished_at = 0.0
-
-    def on_next(self, value: Any) -> None:
-        self.values.append(value)
-
-    def on_error(self, error: Exception) -> None:
-        self.error = error
-        self.finished_at = time.perf_counter()
-        self.done.set()
-
-    def on_completed(self) -> None:
-        self.finished_at = time.perf_counter()
-        self.done.set()
-
 
 def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    """Poll a state no event announces (only the idle-timeout eviction, on the real timer)."""
     deadline = time.monotonic() + WAIT
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -67,7 +49,11 @@ class Meter:
         self.most_per_tenant: dict[Any, int] = {}
         self.starts: list[Any] = []
 
-    def job(self, tenant: Any, seconds: float = 0.0, value: Any = None) -> Callable[[], Any]:
+    def job(
+        self, tenant: Any, hold: threading.Event | None = None, value: Any = None
+    ) -> Callable[[], Any]:
+        """A job of ``tenant`` that is counted while it runs; with ``hold``, until it is set."""
+
         def run() -> Any:
             with self.lock:
                 self.running += 1
@@ -76,7 +62,8 @@ class Meter:
                 self.per_tenant[tenant] = n
                 self.most_per_tenant[tenant] = max(self.most_per_tenant.get(tenant, 0), n)
                 self.starts.append(tenant)
-            time.sleep(seconds)
+            if hold is not None:
+                assert hold.wait(WAIT), "never released"
             with self.lock:
                 self.running -= 1
                 self.per_tenant[tenant] -= 1
@@ -85,7 +72,7 @@ class Meter:
         return run
 
 
-# -- 1. the coordinator's contract, per tenant -----------------------------------------------------
+# -- 1. limits per tenant, and the global slot -----------------------------------------------------
 
 
 def test_too_many_tasks_is_per_tenant() -> None:
@@ -107,44 +94,27 @@ def test_too_many_tasks_is_per_tenant() -> None:
             assert o.done.wait(WAIT)
 
 
-def test_results_errors_keys_and_timeouts_per_tenant() -> None:
-    with TenantScheduler(max_concurrency=4, tenant_max_concurrency=2) as s:
-        assert s.execute("t", lambda: 42).run() == 42
-        boom = ValueError("mine")
-
-        def fail() -> None:
-            raise boom
-
-        with pytest.raises(ValueError, match="mine") as info:
-            s.execute("t", fail).run()
-        assert info.value is boom
-        with pytest.raises(TimeoutError):
-            s.execute("t", lambda: time.sleep(0.1), timeout=0.02).run()
-        order: list[int] = []
-        outcomes = [Outcome() for _ in range(10)]
-        for i, o in enumerate(outcomes):
-
-            def append(i: int = i) -> None:
-                time.sleep(0.001)
-                order.append(i)
-
-            s.execute("t", append, key="customer").subscribe(o)
-        for o in outcomes:
-            assert o.done.wait(WAIT)
-        assert order == list(range(10))
-
-
 def test_default_timeout_applies_to_every_tenant() -> None:
-    with TenantScheduler(timeout=0.02) as s, pytest.raises(TimeoutError):
-        s.execute("t", lambda: time.sleep(0.1)).run()
+    clock = ThreadedVirtualScheduler()  # jobs on threads, their timeouts on this clock
+    with TenantScheduler(timeout=0.02, scheduler=clock) as s:
+        gates = {tenant: Gate() for tenant in ("a", "b")}
+        outcomes = {tenant: Outcome() for tenant in gates}
+        for tenant, gate in gates.items():
+            s.execute(tenant, gate).subscribe(outcomes[tenant])
+            assert gate.started.wait(WAIT)
+        clock.advance_by(0.02)
+        assert all(isinstance(o.error, TimeoutError) for o in outcomes.values())
+        for gate in gates.values():
+            gate.open()
+    clock.join()
 
 
 def test_cancelling_a_job_waiting_for_a_global_slot() -> None:
     with TenantScheduler(max_concurrency=1, tenant_max_concurrency=2) as s:
-        gate = threading.Event()
+        gate = Gate()
         holder = Outcome()
-        s.execute("a", lambda: gate.wait(WAIT)).subscribe(holder)
-        wait_until(lambda: s.stats().running == 1, "the holder to start")
+        s.execute("a", gate).subscribe(holder)
+        assert gate.started.wait(WAIT)
         ran: list[str] = []
         waiting = Outcome()
         sub = s.execute("b", lambda: ran.append("b")).subscribe(waiting)
@@ -153,7 +123,7 @@ def test_cancelling_a_job_waiting_for_a_global_slot() -> None:
         assert s.stats().work_in_progress == 1  # left the counters at once
         after = Outcome()
         s.execute("c", lambda: "c").subscribe(after)
-        gate.set()
+        gate.open()
         assert after.done.wait(WAIT)
         assert ran == []
         assert not waiting.done.is_set()
@@ -162,23 +132,34 @@ def test_cancelling_a_job_waiting_for_a_global_slot() -> None:
 async def test_async_jobs_share_the_global_limit() -> None:
     running = 0
     most = 0
+    release = asyncio.Event()
+    three_in = asyncio.Event()
 
     async def job() -> None:
         nonlocal running, most
         running += 1
         most = max(most, running)
-        await asyncio.sleep(0.002)
+        if running == 3:
+            three_in.set()
+        await release.wait()
         running -= 1
 
     with TenantScheduler(max_concurrency=3, tenant_max_concurrency=2) as s:
-        await asyncio.gather(*(s.execute(f"t{i % 5}", job) for i in range(40)))
+        jobs = asyncio.gather(*(s.execute(f"t{i % 5}", job) for i in range(40)))
+        await asyncio.wait_for(three_in.wait(), WAIT)
+        for _ in range(3):
+            await asyncio.sleep(0)  # loop turns in which a fourth job could start
+        stats = s.stats()
+        assert (running, stats.running, stats.queued) == (3, 3, 37)
+        release.set()
+        await jobs
     assert most == 3
 
 
 # -- 2. the global limit and per-tenant limits, hypothesis-driven ---------------------------------
 
 workload = st.lists(
-    st.tuples(st.integers(0, 5), st.integers(0, 3), st.booleans()),  # tenant, ms, cancel?
+    st.tuples(st.integers(0, 5), st.booleans(), st.booleans()),  # tenant, held?, cancel?
     min_size=1,
     max_size=60,
 )
@@ -187,16 +168,23 @@ workload = st.lists(
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=workload, global_limit=st.integers(1, 4), tenant_limit=st.integers(1, 3))
 def test_limits_are_never_exceeded(
-    jobs: list[tuple[int, int, bool]], global_limit: int, tenant_limit: int
+    jobs: list[tuple[int, bool, bool]], global_limit: int, tenant_limit: int
 ) -> None:
+    # Held jobs stay in until every job is submitted: the most jobs that can be in at once are
+    # in at once. Each job has a thread of its own (no pool size hides a broken limit).
     meter = Meter()
+    release = threading.Event()
+    threads = ThreadedVirtualScheduler()
     with TenantScheduler(
-        max_concurrency=global_limit, tenant_max_concurrency=tenant_limit, tenant_max_queue_size=100
+        max_concurrency=global_limit,
+        tenant_max_concurrency=tenant_limit,
+        tenant_max_queue_size=100,
+        scheduler=threads,
     ) as s:
         outcomes: list[Outcome] = []
-        for tenant, ms, cancel in jobs:
+        for tenant, held, cancel in jobs:
             outcome = Outcome()
-            sub = s.execute(tenant, meter.job(tenant, ms / 1000)).subscribe(outcome)
+            sub = s.execute(tenant, meter.job(tenant, release if held else None)).subscribe(outcome)
             if cancel:
                 sub.dispose()
             else:
@@ -204,10 +192,12 @@ def test_limits_are_never_exceeded(
             stats = s.stats()
             assert isinstance(stats, SchedulerStats)
             assert stats.running <= global_limit
+        release.set()
         for o in outcomes:
             assert o.done.wait(WAIT)
             assert o.error is None
-        wait_until(lambda: s.tenant_count == 0, "idle tenants to be evicted")
+        threads.wait_quiescent()  # cancelled running jobs have returned too
+        assert s.tenant_count == 0  # idle tenants were evicted
     assert meter.most <= global_limit
     assert all(n <= tenant_limit for n in meter.most_per_tenant.values())
 
@@ -216,26 +206,46 @@ def test_limits_are_never_exceeded(
 
 
 def test_a_flood_delays_a_light_tenant_by_about_one_job_per_competitor() -> None:
-    job_seconds = 0.005
+    # Flood jobs hold their slots until the test lets one go: one release is one "job time",
+    # counted instead of measured. Alternating with the flood, the light tenant's six jobs are
+    # done after about six releases; FIFO would need the whole flood (~400) first.
     meter = Meter()
+    started: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+    lock = threading.Lock()
+    draining = False
+
+    def flood_job() -> None:
+        with lock:
+            if draining:
+                return
+            hold = threading.Event()
+            started.put(hold)
+        meter.job("flood", hold)()
+
     with TenantScheduler(
         max_concurrency=2, tenant_max_concurrency=2, tenant_max_queue_size=400
     ) as s:
-        for _ in range(400):  # 400 jobs x 5 ms / 2 slots: a FIFO pool would need a second
-            s.execute("flood", meter.job("flood", job_seconds)).subscribe()
-        wait_until(lambda: s.stats().running == 2, "the flood to start")
+        for _ in range(400):
+            s.execute("flood", flood_job).subscribe()
+        held = [started.get(timeout=WAIT) for _ in range(2)]  # the flood has both slots
         light = [Outcome() for _ in range(6)]
-        submitted = time.perf_counter()
         for o in light:
-            s.execute("light", meter.job("light", job_seconds)).subscribe(o)
-        for o in light:
-            assert o.done.wait(WAIT)
-        latencies = [o.finished_at - submitted for o in light]
+            s.execute("light", meter.job("light")).subscribe(o)
+        releases = 0
+        while not all(o.done.is_set() for o in light):
+            assert releases < 50, "the light tenant waits behind the flood"
+            held.pop(0).set()
+            releases += 1
+            held.append(started.get(timeout=WAIT))
         flood_left = s.stats("flood").work_in_progress
-        s.close(wait=True)
-    # Alternating with the flood, the light tenant's i-th job ends after about i+1 job times
-    # (mean ~3.5 for 6 jobs); FIFO would be ~200 job times. Allow generous scheduling noise.
-    assert statistics.mean(latencies) / job_seconds < 10
+        with lock:
+            draining = True
+        while not started.empty():
+            held.append(started.get())
+        for hold in held:
+            hold.set()
+    assert all(o.error is None for o in light)
+    assert releases <= 8, releases
     assert flood_left > 300  # the flood was still there, so fairness, not luck, did it
 
 
@@ -247,16 +257,19 @@ def test_weights_are_honoured_in_proportion() -> None:
         tenant_max_queue_size=1000,
         weights={"heavy": 3, "light": 1},
     ) as s:
-        gate = threading.Event()
         # Hold both slots so the two backlogs build up before anything is granted.
-        s.execute("blocker", lambda: gate.wait(WAIT)).subscribe()
-        s.execute("blocker2", lambda: gate.wait(WAIT)).subscribe()
-        wait_until(lambda: s.stats().running == 2, "blockers")
-        for _ in range(400):
-            s.execute("heavy", meter.job("heavy", 0.0005)).subscribe()
-            s.execute("light", meter.job("light", 0.0005)).subscribe()
-        gate.set()
-        wait_until(lambda: len(meter.starts) >= 400, "400 starts")
+        blockers = [Gate(), Gate()]
+        for i, blocker in enumerate(blockers):
+            s.execute(f"blocker{i}", blocker).subscribe()
+            assert blocker.started.wait(WAIT)
+        outcomes = [Outcome() for _ in range(800)]
+        for i in range(400):
+            s.execute("heavy", meter.job("heavy")).subscribe(outcomes[2 * i])
+            s.execute("light", meter.job("light")).subscribe(outcomes[2 * i + 1])
+        for blocker in blockers:
+            blocker.open()
+        for o in outcomes:
+            assert o.done.wait(WAIT)
         window = meter.starts[:400]  # both tenants stay backlogged throughout this window
     ratio = window.count("heavy") / window.count("light")
     assert 2.6 < ratio < 3.4, ratio
@@ -283,12 +296,13 @@ def test_many_tenants_that_each_ran_one_job_leave_nothing_behind() -> None:
                 assert o.done.wait(WAIT)
 
         burst(0, 1000)  # warm-up
-        wait_until(lambda: s.tenant_count == 0, "eviction")
+        # A tenant is evicted before its last job's result is delivered: nothing to wait for.
+        assert s.tenant_count == 0
         gc.collect()
         tracemalloc.start()
         before, _ = tracemalloc.get_traced_memory()
         burst(1000, 5000)
-        wait_until(lambda: s.tenant_count == 0, "eviction")
+        assert s.tenant_count == 0
         gc.collect()
         after, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
@@ -299,6 +313,8 @@ def test_many_tenants_that_each_ran_one_job_leave_nothing_behind() -> None:
 
 
 def test_idle_timeout_keeps_a_tenant_until_it_has_been_idle_long_enough() -> None:
+    # Real time on purpose: the idle timer is the process-wide timer thread and time.monotonic,
+    # which no virtual scheduler reaches (see the lead's note on a clock seam for eviction).
     with TenantScheduler(idle_timeout=0.1) as s:
         s.execute("t", lambda: 1).run()
         assert s.tenant_count == 1
@@ -345,7 +361,7 @@ def test_eviction_racing_with_submissions_loses_nothing() -> None:
             assert o.done.wait(WAIT)
             if o.error is not None:
                 errors.append(o.error)
-        wait_until(lambda: s.tenant_count == 0, "eviction")
+        assert s.tenant_count == 0  # evicted before their last results were delivered
         stats = s.stats()
     assert [e for e in errors if isinstance(e, CoordinatorClosed)] == []
     assert isinstance(stats, SchedulerStats)
@@ -357,18 +373,18 @@ def test_eviction_racing_with_submissions_loses_nothing() -> None:
 
 def test_close_fails_live_jobs_and_refuses_new_ones() -> None:
     s = TenantScheduler(max_concurrency=1, tenant_max_concurrency=1, name="closing")
-    gate = threading.Event()
+    gate = Gate()
     running, queued = Outcome(), Outcome()
-    s.execute("a", lambda: gate.wait(WAIT)).subscribe(running)
+    s.execute("a", gate).subscribe(running)
     s.execute("b", lambda: 1).subscribe(queued)
-    wait_until(lambda: s.stats().running == 1, "start")
+    assert gate.started.wait(WAIT)
     closer = threading.Thread(target=s.close)
     closer.start()
     assert running.done.wait(WAIT)
     assert queued.done.wait(WAIT)
     assert isinstance(running.error, CoordinatorClosed)
     assert isinstance(queued.error, CoordinatorClosed)
-    gate.set()
+    gate.open()
     closer.join(WAIT)
     assert s.state is CoordinatorState.CLOSED
     assert not [t for t in threading.enumerate() if t.name.startswith("rxcoord-closing")]
@@ -389,11 +405,8 @@ def test_bad_arguments() -> None:
         TenantScheduler(idle_timeout=-1)
     with pytest.raises(TypeError, match="weights"):
         TenantScheduler(weights=3)  # type: ignore[arg-type]
-    with TenantScheduler() as s:
-        with pytest.raises(TypeError):
-            s.execute(["unhashable"], lambda: 1)  # type: ignore[call-overload]
-        with pytest.raises(TypeError, match="callable"):
-            s.execute("t", 5)  # type: ignore[call-overload]
+    with TenantScheduler() as s, pytest.raises(TypeError):  # execute's own checks: the contract
+        s.execute(["unhashable"], lambda: 1)  # type: ignore[call-overload]
 
 
 def test_logging_is_bound_with_the_tenant() -> None:
@@ -422,12 +435,15 @@ def test_a_dispose_just_before_the_gate_request_does_not_park_a_dead_job(
     # window is a few bytecodes; the test holds it open by pausing the worker in request().
     from rxcoord import _admission as adm
 
-    with TenantScheduler(max_concurrency=2, tenant_max_concurrency=1, tenant_max_queue_size=1) as s:
+    workers = ThreadedVirtualScheduler()  # a thread per job, and an event when one returns
+    with TenantScheduler(
+        max_concurrency=2, tenant_max_concurrency=1, tenant_max_queue_size=1, scheduler=workers
+    ) as s:
         hog, first, other = threading.Event(), threading.Event(), threading.Event()
         # The holders outlast every wait below, so nothing frees the gate by itself.
         s.execute("H", lambda: hog.wait(6 * WAIT)).subscribe()
         s.execute("A", lambda: first.wait(WAIT)).subscribe()
-        wait_until(lambda: s.stats().running == 2, "both slots taken")
+        assert s.stats().running == 2  # both slots taken (granted on this thread)
         s.execute("B", lambda: other.wait(6 * WAIT)).subscribe()  # waits at the gate
         ran: list[str] = []
         second = s.execute("A", lambda: ran.append("A2")).subscribe()  # queued behind A1
@@ -436,7 +452,7 @@ def test_a_dispose_just_before_the_gate_request_does_not_park_a_dead_job(
         in_window, go_on = threading.Event(), threading.Event()
 
         def request(self: adm.FairShareGate, lane: Any, ticket: adm.AdmissionTicket) -> None:
-            if threading.current_thread().name.startswith("rxcoord-"):
+            if threading.current_thread().name == "virtual-worker":
                 in_window.set()
                 go_on.wait(WAIT)
             original(self, lane, ticket)
@@ -446,28 +462,31 @@ def test_a_dispose_just_before_the_gate_request_does_not_park_a_dead_job(
         assert in_window.wait(WAIT)
         second.dispose()
         go_on.set()
-        wait_until(lambda: s.stats("A").work_in_progress == 0, "A2 to leave the counters")
+        workers.wait_returned(1)  # A1's hand-off: the only one that can return yet
+        assert s.stats("A").work_in_progress == 0  # A2 left the counters
         monkeypatch.setattr(adm.FairShareGate, "_request", original)
         other.set()
         hog.set()
-        wait_until(lambda: s.stats().work_in_progress == 0, "idle")
+        workers.wait_quiescent()
+        assert s.stats().work_in_progress == 0
         assert ran == []
+    workers.join()
 
 
 def test_closing_grants_no_job_of_a_tenant_not_closed_yet() -> None:
-    s = TenantScheduler(max_concurrency=1, tenant_max_concurrency=1)
-    gate = threading.Event()
+    workers = ThreadedVirtualScheduler()
+    s = TenantScheduler(max_concurrency=1, tenant_max_concurrency=1, scheduler=workers)
+    holder = Gate()
     ran: list[str] = []
 
-    def holder() -> None:
-        gate.wait(WAIT)
-
     def on_error(_: Exception) -> None:
-        gate.set()  # the holder returns while close() is still busy with the tenants
-        time.sleep(0.05)
+        # The holder returns, and hands its global slot back, while close() is still busy
+        # with the tenants: no job of a tenant not closed yet may get it.
+        holder.open()
+        workers.wait_returned(1)
 
     s.execute("a", holder).subscribe(on_error=on_error)
-    wait_until(lambda: s.stats().running == 1, "the holder")
+    assert holder.started.wait(WAIT)
     outcomes = [Outcome() for _ in range(4)]
     for i, o in enumerate(outcomes):
 
@@ -478,3 +497,39 @@ def test_closing_grants_no_job_of_a_tenant_not_closed_yet() -> None:
     s.close()
     assert ran == []
     assert all(isinstance(o.error, CoordinatorClosed) for o in outcomes)
+    workers.join()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="SchedulerStats counts a job being admitted twice: its global slot is already in "
+    "`running` (the gate's count) while its tenant still counts it as `queued`",
+)
+def test_totals_never_count_a_job_twice_while_it_is_admitted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One job in all, so every snapshot must show at most one job in progress. The window is
+    # the gate's grant: the permit is out, the tenant has not yet moved the job to running.
+    # The test holds it open by taking the snapshot inside AdmissionTicket.grant.
+    from rxcoord import _admission as adm
+
+    clock = TestScheduler()  # the job is only handed over, never run: nothing else moves
+    with TenantScheduler(
+        max_concurrency=1, tenant_max_concurrency=1, tenant_max_queue_size=0, scheduler=clock
+    ) as s:
+        seen: list[SchedulerStats] = []
+        original = adm.AdmissionTicket.grant
+
+        def grant(self: adm.AdmissionTicket, permit: object = None) -> bool:
+            totals = s.stats()
+            assert isinstance(totals, SchedulerStats)
+            seen.append(totals)
+            return original(self, permit)
+
+        monkeypatch.setattr(adm.AdmissionTicket, "grant", grant)
+        s.execute("t", lambda: None).subscribe(Outcome())
+        monkeypatch.setattr(adm.AdmissionTicket, "grant", original)
+        assert len(seen) == 1
+        after = s.stats()
+        assert (after.queued, after.running) == (0, 1)  # admitted: one job, running
+        assert seen[0].work_in_progress <= 1, seen[0]
