@@ -284,18 +284,21 @@ class TenantScheduler(Closeable):
             tenants = list(self._tenants.values())
             totals = dict(self._retired)
             evicted = self._evicted
-        queued = waiting = 0
+        queued = waiting = running = 0
         for live in tenants:
             snapshot = live.coordinator.stats()
             for field in totals:
                 totals[field] += getattr(snapshot, field)
             queued += snapshot.queued
             waiting += snapshot.waiting
+            # From the tenants, not the gate: a job being admitted holds its global permit a
+            # moment before its tenant counts it as running (it would count twice).
+            running += snapshot.running
         return SchedulerStats(
             tenants=len(tenants),
             evicted=evicted,
             queued=queued,
-            running=self._gate.running,
+            running=running,
             max_concurrency=self._max_concurrency,
             waiting=waiting,
             **totals,

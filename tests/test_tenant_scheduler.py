@@ -500,11 +500,6 @@ def test_closing_grants_no_job_of_a_tenant_not_closed_yet() -> None:
     workers.join()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SchedulerStats counts a job being admitted twice: its global slot is already in "
-    "`running` (the gate's count) while its tenant still counts it as `queued`",
-)
 def test_totals_never_count_a_job_twice_while_it_is_admitted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
