@@ -845,9 +845,9 @@ class TenantTaskCoordinator(Closeable):
         if type(observer) is AwaitObserver and task.is_async and observer.loop is loop:
             # ``await execute(job)``: the job runs inside the awaiting task, no task of its own.
             if _get_running_loop() is loop:
-                observer.turn.grant(task)
+                observer.hand(task)
             else:
-                loop.call_soon_threadsafe(observer.turn.grant, task)
+                loop.call_soon_threadsafe(observer.hand, task)
             return
 
         def create() -> None:

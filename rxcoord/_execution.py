@@ -15,7 +15,6 @@ from typing import Any, Final, Protocol, TypeVar, cast
 from reactivex import Observable, abc
 
 from ._core.checks import check_deadline, check_hashable, check_overflow
-from ._core.futures import FutureObserver
 from ._core.waiter import Waiter
 
 __all__ = ["AwaitObserver", "Execution", "Submit", "execution"]
@@ -48,7 +47,9 @@ class Execution(Observable[_T]):
         is_async: bool,
         wait: bool | None,
     ) -> None:
-        super().__init__()
+        # Not Observable.__init__: its RLock is for subclasses that use it (Subjects); this one
+        # never does, and one lock per execute() call is measurable on the hot path.
+        self._subscribe = None
         self._submit = submit  # TenantTaskCoordinator._submit, or TenantScheduler's for a tenant
         self._job = job
         self._key = key
@@ -107,67 +108,92 @@ class Execution(Observable[_T]):
 
     async def _await(self) -> _T:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        observer = AwaitObserver(future, loop)
+        observer = AwaitObserver(loop)
         subscription = self._submit(
             self._job, self._key, self._timeout, self._is_async, self._wait, observer, None
         )
-        try:
-            result = await future
-        except asyncio.CancelledError:
-            subscription.dispose()
-            # A turn granted as we were cancelled is given back (the slot freed), never lost.
-            observer.turn.cancel()
-            raise
-        if result is not _TURN:
-            return cast(_T, result)
-        task = observer.turn.take()
-        assert task is not None
-        return cast(_T, await task.coordinator.run_inline(task, observer))
+        task = observer.now  # an async job whose turn came at once: no future, no waiter
+        if task is None and not observer.ended:
+            # Its turn (or its outcome) comes later: wait on one future. The turn is handed
+            # over through the one waiter primitive, so a turn granted as the awaiting task is
+            # cancelled is given back (its slot freed), never lost.
+            turn: Waiter[Any] = Waiter(_give_back)
+            observer.turn = turn
+            future = observer.arm()
+            turn.bind(observer.wake)
+            try:
+                await future
+            except asyncio.CancelledError:
+                subscription.dispose()
+                turn.cancel()
+                raise
+            task = turn.take()
+        if task is not None:
+            return cast(_T, await task.coordinator.run_inline(task, observer))
+        return cast(_T, observer.result())
 
 
-class AwaitObserver(FutureObserver):
-    """The observer of an awaited execution: an outcome, or the job's turn to run inline.
+class AwaitObserver(abc.ObserverBase[Any]):
+    """The observer of an awaited execution: the job's outcome, or its turn to run inline.
 
-    ``turn`` is the one waiter primitive: the coordinator grants it the task when the job's
-    turn comes (the awaiting task then runs the job); an awaiter that is gone by then gives it
-    back, and the coordinator frees the slot. After the turn the outcome is kept here, since
-    the future already woke the awaiter.
+    Every notification reaches it on the awaiter's loop thread (the coordinator delivers to a
+    subscriber on a loop through that loop, and hands turns over the same way), so its state
+    needs no lock of its own. A turn handed over while the awaiter is still inside ``submit``
+    is taken at once (``now``); later ones go through ``turn``, a :class:`Waiter`.
     """
 
-    __slots__ = ("_ended", "_error", "_later", "loop", "turn")
+    __slots__ = ("_error", "_future", "_value", "ended", "loop", "now", "turn")
 
-    def __init__(self, future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(future)
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.turn: Waiter[Any] = Waiter(_give_back)
-        self._error: Exception | None = None
-        self._ended = False  # the outcome after the turn has arrived
-        self._later: asyncio.Future[None] | None = None  # awaited if it had not yet
-        self.turn.bind(self._wake)
+        self.now: Any = None
+        self.turn: Waiter[Any] | None = None
+        self.ended = False  # the outcome has arrived
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._future: asyncio.Future[None] | None = None
 
-    def _wake(self) -> None:
-        if not self._future.done():
-            self._future.set_result(_TURN)
+    def hand(self, task: Any) -> None:
+        """The coordinator hands ``task``'s turn over (on the loop thread)."""
+        turn = self.turn
+        if turn is None:  # still inside submit: the awaiter takes it as soon as that returns
+            self.now = task
+        else:
+            turn.grant(task)
+
+    def arm(self) -> asyncio.Future[None]:
+        """A future that wakes the awaiter on the next turn or outcome."""
+        future: asyncio.Future[None] = self.loop.create_future()
+        self._future = future
+        return future
+
+    def wake(self) -> None:
+        future = self._future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def on_next(self, value: Any) -> None:
+        self._value = value
 
     def on_error(self, error: Exception) -> None:
-        if self._future.done():  # woken for the turn already: keep it for outcome()
-            self._error = error
-            self._end()
+        if isinstance(error, StopIteration):  # as asyncio would refuse it from a future
+            wrapped = RuntimeError(f"the job raised {error!r}")
+            wrapped.__cause__ = error
+            self._error = wrapped
         else:
-            super().on_error(error)
+            self._error = error
+        self.ended = True
+        self.wake()
 
     def on_completed(self) -> None:
-        if self._future.done():
-            self._end()
-        else:
-            super().on_completed()
+        self.ended = True
+        self.wake()
 
-    def _end(self) -> None:
-        self._ended = True
-        later = self._later
-        if later is not None and not later.done():
-            later.set_result(None)
+    def result(self) -> Any:
+        """The outcome that has arrived: the job's value, or raise its error."""
+        if self._error is not None:
+            raise self._error
+        return self._value
 
     async def outcome(self) -> Any:
         """After an inline run: the job's value, or raise its error.
@@ -175,12 +201,9 @@ class AwaitObserver(FutureObserver):
         A timeout or a close decided on another thread delivers its error through the loop,
         possibly after the run ended here: wait for it rather than guess.
         """
-        if not self._ended:
-            self._later = self.loop.create_future()
-            await self._later
-        if self._error is not None:
-            raise self._error
-        return self._value
+        if not self.ended:
+            await self.arm()
+        return self.result()
 
 
 def _give_back(task: Any) -> None:
