@@ -52,6 +52,7 @@ OnError = Literal["stop", "skip"] | Callable[[Record, Exception], object]
 
 _INLINE_BELOW: Final = 50e-6  # seconds: sync handlers faster than this on average run inline
 _EWMA: Final = 0.05
+_FIRST_GUESS: Final = 1e-3  # seconds: the assumed handler duration before any was measured
 _RETRY_AFTER: Final = 0.05  # seconds before a record refused with TooManyTasks is offered again
 
 
@@ -181,8 +182,10 @@ class KeyedConsumer:
         self._drain_timeout = _check_seconds(drain_timeout, "drain_timeout")
         self._is_async = inspect.iscoroutinefunction(handle)
         self._inline_mode = inline
-        # The measured average duration of a sync handler call; start optimistic (inline).
-        self._ewma = 0.0
+        # The measured average duration of a sync handler call. It starts pessimistic: the first
+        # records run on workers, so a slow handler never blocks the poll thread to be measured;
+        # some sixty fast calls bring the average under the inline threshold.
+        self._ewma = _FIRST_GUESS
         self._engine = Engine(
             config,
             topics,
@@ -845,22 +848,10 @@ class KeyedConsumer:
                 self._loop = loop
             return self._loop
 
-    def _lag(self, state: PartitionState, base: int) -> int | None:
-        if base < 0:
-            return None
-        try:
-            _, high = self._engine.consumer.get_watermark_offsets(
-                _tp(state.topic, state.partition), cached=True
-            )
-        except Exception:  # closed client, or no fetch response yet
-            return None
-        return None if high is None or high < 0 else max(0, high - base)
-
-
-def _tp(topic: str, partition: int) -> Any:
-    from confluent_kafka import TopicPartition
-
-    return TopicPartition(topic, partition)
+    @staticmethod
+    def _lag(state: PartitionState, base: int) -> int | None:
+        high = state.high
+        return None if base < 0 or high < 0 else max(0, high - base)
 
 
 async def _awaited(awaitable: Any) -> Any:

@@ -174,6 +174,21 @@ class Engine:
         if now >= self._next_commit:
             self._next_commit = now + self.commit_interval
             self.commit(list(self.states.values()), asynchronous=True)
+            self._refresh_watermarks()
+
+    def _refresh_watermarks(self) -> None:
+        # Read here, on the poll thread: called from another thread (stats()) it can deadlock,
+        # the caller holding the GIL inside librdkafka while consume() waits for the GIL to run
+        # a callback. ``cached`` reads the last fetch response; no request is sent.
+        for s in self.states.values():
+            try:
+                _, high = self.consumer.get_watermark_offsets(
+                    TopicPartition(s.topic, s.partition), cached=True
+                )
+            except KafkaException:
+                continue
+            if high is not None and high >= 0:
+                s.high = high
 
     def commit(self, states: Sequence[PartitionState], *, asynchronous: bool) -> None:
         """Commit each state's completed prefix that moved since its last commit."""
