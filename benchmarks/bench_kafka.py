@@ -170,24 +170,22 @@ def run_textbook(bootstrap: str, topic: str, records: int) -> float:
         consumer.close()
 
 
-def run_plain(bootstrap: str, topic: str, records: int) -> float:
-    """A plain batch loop: consume(500), handle, commit the batch asynchronously."""
+def run_plain(bootstrap: str, topic: str, records: int, handler: Callable[[], None]) -> float:
+    """A plain batch loop: consume(500), the same handler per record, commit the batch."""
+    clock = _Clock(records)
     consumer = Consumer({**config(bootstrap), "enable.auto.commit": False})
     consumer.subscribe([topic])
-    handled = 0
-    first = 0.0
     try:
-        while handled < records:
+        while not clock.done.is_set():
             batch = consumer.consume(500, 0.5)
             if not batch:
                 continue
-            if handled == 0:
-                first = time.perf_counter()
             for msg in batch:
                 if msg.error() is None:
-                    handled += 1
+                    handler()
+                    clock.tick()
             consumer.commit(asynchronous=True)
-        return records / (time.perf_counter() - first)
+        return clock.rate
     finally:
         consumer.close()
 
@@ -217,7 +215,7 @@ def bench_rows(quick: bool = False, repeat: int | None = None) -> list[tuple[str
             rates["keyed io"].append(run_keyed(bootstrap, io_topic, io_records, _io))
             rates["textbook"].append(run_textbook(bootstrap, io_topic, textbook_records))
             trivial_topic = make_topic(bootstrap, trivial_records)
-            rates["plain"].append(run_plain(bootstrap, trivial_topic, trivial_records))
+            rates["plain"].append(run_plain(bootstrap, trivial_topic, trivial_records, _nothing))
             rates["keyed trivial"].append(
                 run_keyed(bootstrap, trivial_topic, trivial_records, _nothing)
             )

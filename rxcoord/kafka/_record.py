@@ -29,31 +29,29 @@ class Record:
         key: The record's key (``bytes``) or ``None``.
     """
 
-    __slots__ = ("_lane", "_msg", "_state", "key", "offset", "partition", "topic")
+    __slots__ = ("_lane", "_msg", "_state", "key", "offset")
 
-    topic: str
-    partition: int
     offset: int
     key: bytes | None
 
-    def __init__(
-        self,
-        msg: Message,
-        topic: str,
-        partition: int,
-        offset: int,
-        key: bytes | None,
-        state: PartitionState,
-    ) -> None:
+    def __init__(self, msg: Message, offset: int, key: bytes | None, state: PartitionState) -> None:
         self._msg = msg
-        self.topic = topic
-        self.partition = partition
         self.offset = offset
         self.key = key
         # The partition's assignment (its epoch) this record was fetched under: completions are
         # reported to it, and ignored once it was revoked.
         self._state = state
         self._lane: object = None  # its ordering key, once the keyed dispatcher queued it
+
+    @property
+    def topic(self) -> str:
+        """The topic name."""
+        return self._state.topic
+
+    @property
+    def partition(self) -> int:
+        """The partition number."""
+        return self._state.partition
 
     @property
     def value(self) -> bytes | None:

@@ -188,7 +188,7 @@ class _Source:
             st.fetched += 1
             with engine.lock:
                 st.order.append(offset)
-            on_next(Record(msg, topic, partition, offset, msg.key(), st))
+            on_next(Record(msg, offset, msg.key(), st))
 
     def outstanding(self, states: Sequence[PartitionState]) -> int:
         return sum(len(s.order) - len(s.done) for s in states)
