@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from confluent_kafka import Consumer, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
 from rxcoord.kafka import KeyedConsumer, Record
 
@@ -208,7 +209,12 @@ def bench_rows(quick: bool = False, repeat: int | None = None) -> list[tuple[str
         (4_000, 150, 20_000) if quick else (20_000, 600, 50_000)
     )
     repeat = repeat or (1 if quick else 3)
-    rates: dict[str, list[float]] = {"keyed io": [], "textbook": [], "keyed trivial": [], "plain": []}
+    rates: dict[str, list[float]] = {
+        "keyed io": [],
+        "textbook": [],
+        "keyed trivial": [],
+        "plain": [],
+    }
     with broker() as bootstrap:
         for _ in range(repeat):
             io_topic = make_topic(bootstrap, io_records)

@@ -505,7 +505,7 @@ class KeyedConsumer:
             offset: int = msg.offset()  # type: ignore[assignment]
             last_offset = offset
             seen += 1
-            record = Record(msg, offset, msg.key(), st)  # type: ignore[arg-type]
+            record = Record(msg, offset, msg.key(), st)
             k: Hashable = keyfn(record) if keyfn is not None else record.key
             if k is None:
                 k = record  # no key: a key of its own (identity-hashed)

@@ -62,7 +62,7 @@ class PartitionState:
         self.committed = -1  # last offset the broker confirmed as committed
         self.position = -1  # next offset to fetch (last fetched + 1)
         self.fetched = 0
-        self.high = -1  # high watermark as of the last fetch response (refreshed by the poll thread)
+        self.high = -1  # high watermark of the last fetch response (read by the poll thread)
         self.running = 0  # records of this assignment whose handler started and has not ended
         self.paused = False
 

@@ -9,6 +9,7 @@ files of a test and asserts the consumer's guarantees over them.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
 from rxcoord.kafka import Record
 
@@ -140,7 +142,8 @@ class Cluster:
                     self.producer.poll(0.05)
             self.producer.poll(0)
         remaining = self.producer.flush(30)
-        assert remaining == 0 and not errors, (remaining, errors)
+        assert remaining == 0, f"{remaining} records not delivered"
+        assert not errors, errors
         return out
 
     def committed(self, topic: str, group: str, partitions: int = 8) -> dict[int, int]:
@@ -254,13 +257,14 @@ def read_runs(logs: Path) -> list[Run]:
             parts = line.split()
             if not parts:
                 continue
-            kind, k, seq, worker, partition, offset = parts[:6]
+            kind, k, seq, worker = parts[:4]
+            partition, offset = int(parts[4]), int(parts[5])
             if kind == "S":
-                starts[(k, seq, int(partition), int(offset), worker)] = float(parts[6])
+                starts[(k, seq, partition, offset, worker)] = float(parts[6])
             else:
                 start, end = float(parts[6]), float(parts[7])
-                ended.add((k, seq, int(partition), int(offset), worker, start))
-                runs.append(Run(k, int(seq), worker, start, end, int(partition), int(offset)))
+                ended.add((k, seq, partition, offset, worker, start))
+                runs.append(Run(k, int(seq), worker, start, end, partition, offset))
     for (k, seq, partition, offset, worker), start in starts.items():
         if (k, seq, partition, offset, worker, start) not in ended:
             runs.append(Run(k, int(seq), worker, start, None, partition, offset))
@@ -313,11 +317,10 @@ def check_invariants(
                 first_end[r.seq] = r.end
         order = sorted(first_end, key=lambda s: first_end[s])
         assert order == sorted(order), f"key {k}: first completions out of order: {order[:20]}"
-        for a, b in zip(key_runs, key_runs[1:], strict=False):
+        for a, b in itertools.pairwise(key_runs):
             a_end = a.end if a.end is not None else (a.start if a.worker in dead else None)
-            assert a_end is not None and b.start >= a_end, (
-                f"key {k}: {a} and {b} overlap"
-            )
+            assert a_end is not None, f"key {k}: {b} started while {a} never ended"
+            assert b.start >= a_end, f"key {k}: {a} and {b} overlap"
         expected_next = 0
         seen: set[int] = set()
         for r in key_runs:

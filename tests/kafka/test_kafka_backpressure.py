@@ -8,8 +8,8 @@ from rxcoord.kafka import KeyedConsumer, Record
 
 from .support import (
     Cluster,
-    Running,
     RunLog,
+    Running,
     all_done,
     check_invariants,
     keyed_items,

@@ -9,8 +9,8 @@ from rxcoord.kafka import ConsumerState, KeyedConsumer
 
 from .support import (
     Cluster,
-    Running,
     RunLog,
+    Running,
     all_done,
     check_invariants,
     keyed_items,

@@ -10,8 +10,8 @@ from rxcoord.kafka import KeyedConsumer, Record
 
 from .support import (
     Cluster,
-    Running,
     RunLog,
+    Running,
     all_done,
     check_invariants,
     logging_handler,

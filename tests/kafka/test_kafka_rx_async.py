@@ -17,8 +17,8 @@ from rxcoord.kafka import KeyedConsumer, Record, commit_records, kafka_records
 
 from .support import (
     Cluster,
-    Running,
     RunLog,
+    Running,
     all_done,
     check_invariants,
     keyed_items,
@@ -104,7 +104,8 @@ async def test_async_handlers_run_on_the_loop_of_run_async(cluster: Cluster) -> 
         await asyncio.sleep(0.05)
     await consumer.aclose()
     await task
-    assert all(on_loop) and len(on_loop) >= 300
+    assert all(on_loop)
+    assert len(on_loop) >= 300
     check_invariants(produced, cluster.runs(), duplicates=False)
 
 

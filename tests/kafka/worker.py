@@ -1,5 +1,8 @@
-"""A consumer process for the multi-process tests: ``worker.py BOOTSTRAP TOPIC GROUP LOG NAME
-SLEEP_MS CONCURRENCY [MAX_IN_FLIGHT]``. Runs ``KeyedConsumer.run()`` on the main thread (SIGTERM drains)."""
+"""A consumer process for the multi-process tests.
+
+``python -m tests.kafka.worker BOOTSTRAP TOPIC GROUP LOG NAME SLEEP_MS CONCURRENCY [MAX_IN_FLIGHT]``
+runs ``KeyedConsumer.run()`` on the main thread, so SIGTERM drains.
+"""
 
 from __future__ import annotations
 
