@@ -438,7 +438,7 @@ class KeyedConsumer:
                 if (self._running if not self._accepting else self.pending()) == 0:
                     break
             engine.poll_once(False)
-            if self._retry and self._accepting:
+            if self._retry:
                 self._offer_retries()
             if self._failure is not None and self._accepting:
                 with self._lock:
@@ -447,6 +447,9 @@ class KeyedConsumer:
         with self._lock:
             self._accepting = False
             self._drop_queued()
+        if self._retry:
+            self._offer_retries()
+        with self._lock:
             if self._running:
                 self._log.warning(
                     "{} record(s) still running after the drain; not committed",
@@ -563,16 +566,18 @@ class KeyedConsumer:
         return sum(s.running for s in states)
 
     def pending(self) -> int:
-        return self._running + self._queued + len(self._retry)
+        return self._running + self._queued  # records awaiting a retry hold slots
 
     def revoking(self, states: Sequence[PartitionState]) -> None:
         # Their queued records are skipped when their turn comes (a record's state is checked
         # before it starts), which keeps each lane's order intact without searching the lanes.
+        # Records waiting for a retry hold a slot: they give it back now.
         if self._retry:
             with self._lock:
-                kept = [r for r in self._retry if r._state.phase == ACTIVE]
-                self._dropped += len(self._retry) - len(kept)
-                self._retry = kept
+                gone = [r for r in self._retry if r._state.phase != ACTIVE]
+                self._retry = [r for r in self._retry if r._state.phase == ACTIVE]
+            for record in gone:
+                self._after(self._ended(record, None, dropped=True))
 
     def stopping(self, drain: bool) -> None:
         self._request_close(drain)
@@ -750,10 +755,10 @@ class KeyedConsumer:
             del self._lanes[k]
 
     def _drop_queued(self) -> None:
-        """Stopping: queued records never start (under the lock)."""
-        self._dropped += self._queued + len(self._retry)
+        """Stopping: queued records never start (under the lock). Records waiting for a retry
+        hold slots; the poll loop's next ``_offer_retries`` drops them and frees the slots."""
+        self._dropped += self._queued
         self._queued = 0
-        self._retry.clear()
         self._ready.clear()
         for k in [k for k, lane in self._lanes.items() if lane]:
             self._lanes[k].clear()

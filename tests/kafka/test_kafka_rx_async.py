@@ -12,7 +12,7 @@ from reactivex import operators as ops
 from reactivex.scheduler import ThreadPoolScheduler
 
 import rxcoord.kafka
-from rxcoord import TenantScheduler, serialize_by_key
+from rxcoord import TenantScheduler, TenantTaskCoordinator, serialize_by_key
 from rxcoord.kafka import KeyedConsumer, Record, commit_records, kafka_records
 
 from .support import (
@@ -141,4 +141,24 @@ def test_sync_handlers_returning_futures(cluster: Cluster) -> None:
         running = Running(consumer)
         wait_for(all_done(cluster, produced), 60, "all records")
         assert running.stop() is None
+    check_invariants(produced, cluster.runs(), duplicates=False)
+
+
+def test_records_refused_by_a_full_coordinator_are_offered_again(cluster: Cluster) -> None:
+    topic = cluster.topic(2)
+    produced = cluster.produce(topic, keyed_items(200, 50))
+    group = cluster.group()
+    log = RunLog(cluster.log_for("w0"), "w0")
+    # One job at a time and no queue, while the consumer offers up to 8: most offers are
+    # refused with TooManyTasks and must come back, not be lost or skipped.
+    with TenantTaskCoordinator(max_concurrency=1, max_queue_size=0) as coordinator:
+        consumer = KeyedConsumer(
+            cluster.config(group), [topic], logging_handler(log, sleep=0.002),
+            scheduler=coordinator, max_concurrency=8, commit_interval=0.1,
+        )  # fmt: skip
+        running = Running(consumer)
+        wait_for(all_done(cluster, produced), 90, "all records")
+        wait_for(lambda: cluster.committed(topic, group, 2) == produced.end, 30, "commit at end")
+        assert running.stop() is None
+        assert coordinator.stats().rejected > 0
     check_invariants(produced, cluster.runs(), duplicates=False)
