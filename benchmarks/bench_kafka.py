@@ -8,8 +8,10 @@ port, or the cluster named by ``RXCOORD_KAFKA_BOOTSTRAP``), 8 partitions, 1,000 
     after each). The textbook loop needs 20,000 x (5 ms + a commit) ~ two minutes, so it runs
     over a shorter prefix of the records and its per-record rate is extrapolated (it is
     constant: one record at a time);
-(b) a trivial handler over 50,000 records: ``KeyedConsumer`` against a plain poll loop
-    (``consume(num_messages=500)``, an asynchronous commit per batch, no ordering work).
+(b) a trivial handler over 50,000 records: ``KeyedConsumer`` (default: handlers on worker
+    threads; and ``inline=True``: on the poll thread) against a plain poll loop
+    (``consume(num_messages=500)``, the same handler, an asynchronous commit per batch, no
+    ordering work).
 
 Each measurement uses a fresh consumer group and starts its clock at the first record handled
 (the group join is the broker's, not the consumer's cost) and stops it when the last one was.
@@ -131,14 +133,16 @@ class _Clock:
         return self.target / (self.last - self.first)
 
 
-def run_keyed(bootstrap: str, topic: str, records: int, handler: Callable[[], None]) -> float:
+def run_keyed(
+    bootstrap: str, topic: str, records: int, handler: Callable[[], None], inline: bool = False
+) -> float:
     clock = _Clock(records)
 
     def handle(record: Record) -> None:
         handler()
         clock.tick()
 
-    consumer = KeyedConsumer(config(bootstrap), [topic], handle, max_concurrency=64)
+    consumer = KeyedConsumer(config(bootstrap), [topic], handle, max_concurrency=64, inline=inline)
     thread = threading.Thread(target=consumer.run)
     thread.start()
     try:
@@ -213,6 +217,7 @@ def bench_rows(quick: bool = False, repeat: int | None = None) -> list[tuple[str
         "keyed io": [],
         "textbook": [],
         "keyed trivial": [],
+        "keyed inline": [],
         "plain": [],
     }
     with broker() as bootstrap:
@@ -224,6 +229,9 @@ def bench_rows(quick: bool = False, repeat: int | None = None) -> list[tuple[str
             rates["plain"].append(run_plain(bootstrap, trivial_topic, trivial_records, _nothing))
             rates["keyed trivial"].append(
                 run_keyed(bootstrap, trivial_topic, trivial_records, _nothing)
+            )
+            rates["keyed inline"].append(
+                run_keyed(bootstrap, trivial_topic, trivial_records, _nothing, inline=True)
             )
     med = {name: statistics.median(values) for name, values in rates.items()}
     return [
@@ -241,6 +249,14 @@ def bench_rows(quick: bool = False, repeat: int | None = None) -> list[tuple[str
             "plain consume(500) loop, commit per batch",
             f"{med['plain']:,.0f} records/s",
             f"{med['keyed trivial'] / med['plain']:.2f}x",
+            ">= 0.5x",
+        ),
+        (
+            f"KeyedConsumer(inline=True), trivial handler, {trivial_records:,} records",
+            f"{med['keyed inline']:,.0f} records/s",
+            "plain consume(500) loop, commit per batch",
+            f"{med['plain']:,.0f} records/s",
+            f"{med['keyed inline'] / med['plain']:.2f}x",
             ">= 0.5x",
         ),
     ]

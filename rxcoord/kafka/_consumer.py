@@ -16,9 +16,11 @@ records still runs and then assigned back to this consumer is fetched again from
 the re-fetched record of that key queues behind the still-running one in the same lane instead
 of running beside it (Confluent parallel-consumer #843).
 
-Sync handlers run on worker threads, or inline on the poll thread while their measured duration
-is tiny (an average under ``_INLINE_BELOW`` seconds) and their key is free: a thread hand-off
-costs tens of microseconds, more than such a handler itself.
+Sync handlers run on worker threads; with ``inline=True`` (or ``None``: while their measured
+average duration is under ``_INLINE_BELOW`` seconds) they run on the poll thread when their key
+and a slot are free, because a thread hand-off costs tens of microseconds, more than a trivial
+handler itself. Inline is not the default: a handler that is fast for most records and blocks
+on one would block every key, which is what a keyed consumer promises not to do.
 """
 
 from __future__ import annotations
@@ -113,8 +115,13 @@ class KeyedConsumer:
         drain_timeout: Seconds ``close(drain=True)`` and signals wait for fetched records.
         startup_timeout: Seconds ``run()`` waits for the cluster's metadata before failing.
         batch_size: Most records fetched per ``consume()`` call.
-        inline: Run sync handlers on the poll thread when their key is free: ``None`` decides by
-            the handler's measured duration, ``True`` always, ``False`` never.
+        inline: Run sync handlers on the poll thread when their key is free and a slot is
+            free: ``False`` (default) never; ``True`` always, for handlers that never block
+            (a thread hand-off costs more than such a handler, see ``benchmarks/
+            bench_kafka.py``); ``None`` when the handler's measured average duration is under
+            50 µs. With ``True`` or ``None``, a call that blocks after all blocks the poll
+            loop and with it every other key (membership survives: heartbeats are
+            librdkafka's), so keep them for handlers that cannot block.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -139,7 +146,7 @@ class KeyedConsumer:
         drain_timeout: float = 30.0,
         startup_timeout: float = 10.0,
         batch_size: int = 500,
-        inline: bool | None = None,
+        inline: bool | None = False,
     ) -> None:
         config = _check_config(config)
         topics = _check_topics(topics)

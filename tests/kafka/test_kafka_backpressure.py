@@ -43,7 +43,13 @@ def test_slow_key_pauses_only_its_partition(cluster: Cluster) -> None:
         committed = cluster.committed(topic, group, 4)
         return all(committed[p] == end for p, end in produced.end.items() if p != slow_partition)
 
-    wait_for(others_committed, 30, "other partitions committed")
+    try:
+        wait_for(others_committed, 30, "other partitions committed")
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}: {consumer.stats()} committed={cluster.committed(topic, group, 4)} "
+            f"end={produced.end} slow={slow_partition}"
+        ) from None
     stats = consumer.stats()
     slow = next(p for p in stats.partitions if p.partition == slow_partition)
     assert slow.paused, stats  # its uncommitted records passed its share: paused

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from rxcoord.kafka import ConsumerState, KeyedConsumer
 
 from .support import (
@@ -82,5 +84,21 @@ def test_commit_holds_at_first_unfinished_record(cluster: Cluster) -> None:
     assert part.in_flight == 51
     release.set()
     wait_for(lambda: cluster.committed(topic, group, 1)[0] == 51, 30, "commit after release")
+    assert running.stop() is None
+    check_invariants(produced, cluster.runs(), duplicates=False)
+
+
+@pytest.mark.parametrize("inline", [True, None], ids=["inline", "inline-measured"])
+def test_inline_handlers_keep_order_and_commit(cluster: Cluster, inline: bool | None) -> None:
+    topic = cluster.topic(8)
+    produced = cluster.produce(topic, keyed_items(3000, 100))
+    group = cluster.group()
+    log = RunLog(cluster.log_for("w0"), "w0")
+    consumer = KeyedConsumer(
+        cluster.config(group), [topic], logging_handler(log), inline=inline, commit_interval=0.2
+    )
+    running = Running(consumer)
+    wait_for(all_done(cluster, produced), 60, "every record processed")
+    wait_for(lambda: cluster.committed(topic, group) == produced.end, 30, "commit at the end")
     assert running.stop() is None
     check_invariants(produced, cluster.runs(), duplicates=False)
