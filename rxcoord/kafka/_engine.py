@@ -219,7 +219,14 @@ class Engine:
 
     def _on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
         if error is not None:
+            # The whole request failed (for example a rebalance moved the generation on):
+            # nothing of it is committed; the next periodic commit asks again.
             self.log.warning("commit failed: {}", error)
+            for tp in partitions:
+                state = self.states.get((tp.topic, tp.partition))
+                if state is not None:
+                    state.requested = state.committed
+            return
         for tp in partitions:
             state = self.states.get((tp.topic, tp.partition))
             if state is None:
