@@ -1,0 +1,973 @@
+"""``KeyedConsumer``: per-key order, key-level parallelism and ordered commits over Kafka.
+
+The path of a record: the engine's poll thread fetches a batch (``consume(num_messages=...)``);
+the keyed dispatcher below gives each record its ordering key and either runs it at once or
+queues it behind the running record of its key (a *lane*), or, when ``max_concurrency`` records
+already run, in a FIFO of ready records; when a record ends, the next of its lane (or the oldest
+ready record) takes its slot; its offset is reported to its partition state, whose completed
+prefix the engine commits. This is ``serialize_by_key``'s contract (one lane per key that exists
+only while the key has work, FIFO over the cap), re-done without an Observable per record
+because that costs more per record than the whole budget of a trivial handler (see
+``benchmarks/bench_kafka.py``); :func:`rxcoord.kafka.kafka_records` and
+:func:`rxcoord.kafka.commit_records` are the composable Rx form of the same path.
+
+Why lanes are per consumer, not per partition assignment: a partition revoked while one of its
+records still runs and then assigned back to this consumer is fetched again from its last commit;
+the re-fetched record of that key queues behind the still-running one in the same lane instead
+of running beside it (Confluent parallel-consumer #843).
+
+Sync handlers run on worker threads; with ``inline=True`` (or ``None``: while their measured
+average duration is under ``_INLINE_BELOW`` seconds) they run on the poll thread when their key
+and a slot are free, because a thread hand-off costs tens of microseconds, more than a trivial
+handler itself. Inline is not the default: a handler that is fast for most records and blocks
+on one would block every key, which is what a keyed consumer promises not to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import signal
+import threading
+import time
+import types
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Final, Literal
+
+from confluent_kafka import Message
+from reactivex import abc as rx_abc
+
+from rxcoord import TenantScheduler, TenantTaskCoordinator, TooManyTasks
+
+from ._engine import Engine
+from ._errors import ConsumerClosed
+from ._partitions import ACTIVE, REVOKED, PartitionState
+from ._record import Record
+from ._stats import ConsumerState, ConsumerStats, PartitionStats
+
+__all__ = ["KeyedConsumer", "OnError"]
+
+OnError = Literal["stop", "skip"] | Callable[[Record, Exception], object]
+
+_INLINE_BELOW: Final = 50e-6  # seconds: sync handlers faster than this on average run inline
+_EWMA: Final = 0.05
+_FIRST_GUESS: Final = 1e-3  # seconds: the assumed handler duration before any was measured
+_RETRY_AFTER: Final = 0.05  # seconds before a record refused with TooManyTasks is offered again
+
+
+def _plain(result: object) -> bool:
+    """True when a handler's return value means "done": not an Observable, awaitable or future."""
+    return result is None or not (
+        isinstance(result, rx_abc.ObservableBase | concurrent.futures.Future)
+        or inspect.isawaitable(result)
+    )
+
+
+class _Inside(threading.local):
+    consumer: object = None
+
+
+_inside = _Inside()  # which consumer's worker or loop thread this is (close() must not wait)
+
+
+class KeyedConsumer:
+    """Consume Kafka topics with per-key order, key-level parallelism and ordered commits.
+
+    Records of one ordering key are handled one at a time in offset order (a record's handler
+    starts only after the previous record of its key ended); records of different keys run
+    concurrently up to ``max_concurrency``, also within one partition. Each partition's offset
+    is committed only up to the contiguous prefix of completed records (periodically, on revoke
+    and on close), so after a crash processing resumes at the first record that had not
+    completed: at-least-once, duplicates only past the last commit.
+
+    Beyond ``max_in_flight`` fetched-but-uncommitted records the partitions holding most of them
+    are paused while polling continues, so the consumer stays in its group. On revoke no record
+    of a revoked partition starts, running ones get ``revoke_timeout`` seconds, the completed
+    prefix is committed, and later results of that assignment are dropped.
+
+    ``handle(record)`` may be a plain function (runs on a worker thread, or inline when it is
+    very fast), an ``async def`` (runs on the loop of :meth:`run_async`, or on a loop thread the
+    consumer owns under :meth:`run`), or return an Observable (the record ends when it
+    terminates) or a future.
+
+    Args:
+        config: confluent-kafka configuration, passed through; ``bootstrap.servers`` and
+            ``group.id`` are required, ``enable.auto.commit`` must not be true (the consumer
+            commits itself). An ``on_commit`` callback is called after the consumer's own.
+        topics: Topic names (or ``^regex`` patterns) to subscribe to.
+        handle: Called with each :class:`Record`.
+        key: ``key(record)`` returns the ordering key; default: the record's key, and records
+            without a key are each their own key.
+        max_concurrency: Most handlers running at once.
+        max_in_flight: Records fetched but not yet committed beyond which partitions pause.
+        scheduler: A :class:`TenantTaskCoordinator` or :class:`TenantScheduler` that runs the
+            handlers (its limits, fairness, leases, fleet); ``None``: the consumer's own threads.
+        tenant: With a ``TenantScheduler``: ``tenant(record)`` returns the record's tenant.
+        on_error: ``"stop"``: commit the safe prefix and make ``run()`` raise the handler's
+            exception; ``"skip"``: log and treat the record as done; a callable
+            ``on_error(record, exception)``: when it returns, the record is done (when it
+            raises, the consumer stops with that exception).
+        commit_interval: Seconds between periodic commits.
+        revoke_timeout: Seconds a revoke waits for running records of the revoked partitions.
+        drain_timeout: Seconds ``close(drain=True)`` and signals wait for fetched records.
+        startup_timeout: Seconds ``run()`` waits for the cluster's metadata before failing.
+        batch_size: Most records fetched per ``consume()`` call.
+        inline: Run sync handlers on the poll thread when their key is free and a slot is
+            free: ``False`` (default) never; ``True`` always, for handlers that never block
+            (a thread hand-off costs more than such a handler, see ``benchmarks/
+            bench_kafka.py``); ``None`` when the handler's measured average duration is under
+            50 µs. With ``True`` or ``None``, a call that blocks after all blocks the poll
+            loop and with it every other key (membership survives: heartbeats are
+            librdkafka's), so keep them for handlers that cannot block.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of range, or the configuration lacks ``group.id`` or
+            ``bootstrap.servers``, enables auto-commit, or is refused by confluent-kafka.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        topics: Sequence[str],
+        handle: Callable[[Record], Any],
+        *,
+        key: Callable[[Record], Hashable] | None = None,
+        max_concurrency: int = 64,
+        max_in_flight: int = 10_000,
+        scheduler: TenantTaskCoordinator | TenantScheduler | None = None,
+        tenant: Callable[[Record], Hashable] | None = None,
+        on_error: OnError = "stop",
+        commit_interval: float = 1.0,
+        revoke_timeout: float = 10.0,
+        drain_timeout: float = 30.0,
+        startup_timeout: float = 10.0,
+        batch_size: int = 500,
+        inline: bool | None = False,
+    ) -> None:
+        config = _check_config(config)
+        topics = _check_topics(topics)
+        if not callable(handle):
+            raise TypeError(f"handle must be callable (handle(record)), not {handle!r}")
+        if key is not None and not callable(key):
+            raise TypeError(f"key must be a callable key(record) -> hashable or None, not {key!r}")
+        self._max_concurrency = _check_count(max_concurrency, "max_concurrency")
+        _check_count(max_in_flight, "max_in_flight")
+        _check_count(batch_size, "batch_size")
+        if scheduler is not None and not isinstance(
+            scheduler, TenantTaskCoordinator | TenantScheduler
+        ):
+            raise TypeError(
+                "scheduler must be a TenantTaskCoordinator, a TenantScheduler or None, "
+                f"not {scheduler!r}"
+            )
+        if isinstance(scheduler, TenantScheduler):
+            if tenant is None:
+                raise ValueError(
+                    "a TenantScheduler needs tenant=: pass tenant=lambda record: ... "
+                    "returning the record's tenant"
+                )
+            if not callable(tenant):
+                raise TypeError(f"tenant must be a callable tenant(record), not {tenant!r}")
+        elif tenant is not None:
+            raise ValueError("tenant= needs scheduler=TenantScheduler(...); remove tenant=")
+        if not (on_error in ("stop", "skip") or callable(on_error)):
+            raise ValueError(
+                'on_error must be "stop", "skip" or a callable(record, exception), '
+                f"not {on_error!r}"
+            )
+        if inline is not None and not isinstance(inline, bool):
+            raise TypeError(f"inline must be True, False or None, not {inline!r}")
+        self._handle = handle
+        self._key = key
+        self._scheduler = scheduler
+        self._tenant = tenant
+        self._on_error = on_error
+        self._drain_timeout = _check_seconds(drain_timeout, "drain_timeout")
+        self._is_async = inspect.iscoroutinefunction(handle)
+        self._inline_mode = inline
+        # The measured average duration of a sync handler call. It starts pessimistic: the first
+        # records run on workers, so a slow handler never blocks the poll thread to be measured;
+        # some sixty fast calls bring the average under the inline threshold.
+        self._ewma = _FIRST_GUESS
+        self._engine = Engine(
+            config,
+            topics,
+            max_in_flight=max_in_flight,
+            commit_interval=_check_seconds(commit_interval, "commit_interval"),
+            revoke_timeout=_check_seconds(revoke_timeout, "revoke_timeout"),
+            startup_timeout=_check_seconds(startup_timeout, "startup_timeout"),
+            batch_size=batch_size,
+            name=str(config["group.id"]),
+        )
+        self._engine.processor = self
+        self._lock = self._engine.lock
+        self._log = self._engine.log
+        self._state = ConsumerState.NEW
+        self._lanes: dict[Hashable, deque[Record]] = {}  # key -> records waiting behind its runner
+        self._ready: deque[Record] = deque()  # records whose turn came, over max_concurrency
+        self._retry: list[Record] = []  # refused by the scheduler (TooManyTasks): offer again
+        self._retry_at = 0.0
+        self._running = 0
+        self._queued = 0
+        self._completed = 0
+        self._inline_completed = 0  # poll-thread only, so counted without the lock
+        self._failed = 0
+        self._dropped = 0
+        self._accepting = True  # new records may start (false once stopping without drain)
+        self._stop = threading.Event()
+        self._drain = True
+        self._failure: BaseException | None = None
+        self._done = threading.Event()  # run() has finished
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # where async handlers run
+        self._own_loop: threading.Thread | None = None
+        self._poll_thread: int | None = None
+
+    # -- public API ------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ConsumerState:
+        """The lifecycle state."""
+        return self._state
+
+    def run(self) -> None:
+        """Consume, process and commit until :meth:`close`, SIGTERM/SIGINT or a stop on error.
+
+        Blocks. On the main thread, SIGTERM and SIGINT start a drain (a second signal stops
+        without draining); the previous handlers are restored on return. Then drains, commits
+        and leaves the group.
+
+        Raises:
+            ConsumerClosed: the consumer already ran or was closed.
+            BrokerUnavailable: no broker answered within ``startup_timeout``.
+            UnknownTopic: a subscribed topic does not exist.
+            Exception: with ``on_error="stop"``, the handler's exception that stopped it.
+        """
+        self._begin()
+        previous: dict[signal.Signals, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous[signum] = signal.signal(signum, self._on_signal)
+        try:
+            self._run_blocking(None)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    async def run_async(self) -> None:
+        """Like :meth:`run` for asyncio services: ``async def`` handlers run on this loop.
+
+        The poll loop runs on a thread of its own; cancelling this coroutine drains and closes
+        the consumer (then re-raises the cancellation). Installs no signal handlers.
+
+        Raises:
+            ConsumerClosed: the consumer already ran or was closed.
+            BrokerUnavailable: no broker answered within ``startup_timeout``.
+            UnknownTopic: a subscribed topic does not exist.
+            Exception: with ``on_error="stop"``, the handler's exception that stopped it.
+        """
+        self._begin()
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[None] = loop.create_future()
+
+        def target() -> None:
+            try:
+                self._run_blocking(loop)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(_settle, finished, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, finished, None)
+
+        threading.Thread(target=target, name="rxcoord-kafka-poll", daemon=True).start()
+        try:
+            await asyncio.shield(finished)
+        except asyncio.CancelledError:
+            self._request_close(drain=True)
+            await finished
+            raise
+
+    def close(self, drain: bool = True) -> None:
+        """Stop consuming; with ``drain``, finish fetched records first (``drain_timeout``).
+
+        Then commits the completed prefix and leaves the group. From another thread this blocks
+        until :meth:`run` returned; from a handler (or the poll thread) it only asks. Idempotent;
+        on a consumer that never ran it closes the Kafka client.
+        """
+        if not isinstance(drain, bool):
+            raise TypeError(f"drain must be a bool, not {drain!r}")
+        with self._lock:
+            if self._state is ConsumerState.NEW:
+                self._state = ConsumerState.CLOSED
+                never_ran = True
+            else:
+                never_ran = False
+        if never_ran:
+            self._engine.consumer.close()
+            self._done.set()
+            return
+        self._request_close(drain)
+        if _inside.consumer is self or threading.get_ident() == self._poll_thread:
+            return
+        if self._loop is not None and _on_loop(self._loop):
+            return  # an async handler on our loop: waiting would block the records it awaits
+        self._done.wait()
+
+    async def aclose(self, drain: bool = True) -> None:
+        """:meth:`close` for asyncio code: waits without blocking the loop."""
+        await asyncio.to_thread(self.close, drain)
+
+    def stats(self) -> ConsumerStats:
+        """A snapshot: counters, backlog, and per partition position, commit point and lag."""
+        engine = self._engine
+        with self._lock:
+            states = list(engine.states.values())
+            longest = max((len(lane) for lane in self._lanes.values()), default=0)
+            parts = []
+            in_flight = 0
+            for s in states:
+                in_flight += len(s.order)
+                parts.append(
+                    (s, s.position, s.committable, s.committed, len(s.order), s.paused, s.epoch)
+                )
+            snapshot = (
+                engine.fetched,
+                self._completed + self._inline_completed,
+                self._failed,
+                self._dropped,
+                self._running,
+                self._queued + len(self._retry),
+                longest,
+                len(self._lanes),
+                engine.rebalances,
+                engine.commits,
+            )
+        partitions = []
+        for s, position, committable, committed, held, paused, epoch in parts:
+            partitions.append(
+                PartitionStats(
+                    topic=s.topic,
+                    partition=s.partition,
+                    epoch=epoch,
+                    position=position if position >= 0 else None,
+                    committable=committable if committable >= 0 else None,
+                    committed=committed if committed >= 0 else None,
+                    in_flight=held,
+                    lag=self._lag(s, committed if committed >= 0 else committable),
+                    paused=paused,
+                )
+            )
+        fetched, completed, failed, dropped, running, queued, longest, keys, reb, commits = snapshot
+        return ConsumerStats(
+            state=self._state,
+            fetched=fetched,
+            completed=completed,
+            failed=failed,
+            dropped=dropped,
+            running=running,
+            queued=queued,
+            in_flight=in_flight,
+            longest_key_queue=longest,
+            active_keys=keys,
+            paused_partitions=sum(1 for p in partitions if p.paused),
+            rebalances=reb,
+            commits=commits,
+            partitions=tuple(partitions),
+        )
+
+    def __repr__(self) -> str:
+        return f"KeyedConsumer(topics={self._engine.topics!r}, state={self._state.value})"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        with self._lock:
+            if self._state is not ConsumerState.NEW:
+                raise ConsumerClosed(
+                    f"this KeyedConsumer is {self._state.value}: a consumer runs once, "
+                    "create a new one"
+                )
+            self._state = ConsumerState.RUNNING
+
+    def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
+        # First signal: drain; a second one while draining: stop without waiting for records.
+        self._request_close(drain=not self._stop.is_set())
+
+    def _request_close(self, drain: bool) -> None:
+        with self._lock:
+            if not drain:
+                self._drain = False
+                self._accepting = False
+        self._stop.set()
+
+    def _run_blocking(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        engine = self._engine
+        self._poll_thread = threading.get_ident()
+        self._loop = loop
+        try:
+            engine.check_startup()
+            engine.subscribe()
+            while not self._stop.is_set() and engine.failure is None:
+                engine.poll_once(True)
+                if self._retry and time.monotonic() >= self._retry_at:
+                    self._offer_retries()
+            self._finish_run()
+        finally:
+            try:
+                engine.close()
+            finally:
+                self._shutdown_workers()
+                with self._lock:
+                    self._state = ConsumerState.CLOSED
+                self._done.set()
+        failure = self._failure or engine.failure
+        if failure is not None:
+            raise failure
+
+    def _finish_run(self) -> None:
+        """Drain (bounded) or stop: start nothing new once the deadline passed, then return."""
+        engine = self._engine
+        with self._lock:
+            self._state = ConsumerState.CLOSING
+            drain = self._drain and self._failure is None
+            if not drain:
+                self._accepting = False
+                self._drop_queued()
+        engine.pause_all()
+        deadline = time.monotonic() + self._drain_timeout
+        # Keep polling (callbacks, membership) with every partition paused until the fetched
+        # records ended or the deadline passed. With a stop, only running records are awaited.
+        while time.monotonic() < deadline:
+            with self._lock:
+                if (self._running if not self._accepting else self.pending()) == 0:
+                    break
+            engine.poll_once(False)
+            if self._retry:
+                self._offer_retries()
+            if self._failure is not None and self._accepting:
+                with self._lock:
+                    self._accepting = False
+                    self._drop_queued()
+        with self._lock:
+            self._accepting = False
+            self._drop_queued()
+        if self._retry:
+            self._offer_retries()
+        with self._lock:
+            if self._running:
+                self._log.warning(
+                    "{} record(s) still running after the drain; not committed",
+                    self._running,
+                )
+
+    def _shutdown_workers(self) -> None:
+        if self._executor is not None:
+            # Handlers still running past the deadline keep their threads; don't wait for them.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._own_loop is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._own_loop.join(5)
+
+    # -- Processor protocol (called by the engine) ------------------------------------------
+
+    def dispatch(self, messages: list[Message]) -> None:
+        # The hot path: a few attribute reads per record, nothing allocated but the Record, no
+        # lock for a record that runs inline; per-partition counters are written once per run
+        # of records of one partition (a batch holds long runs of each).
+        engine = self._engine
+        states = engine.states
+        keyfn = self._key
+        lanes = self._lanes
+        inline = self._inline_mode is not False and not self._is_async and self._scheduler is None
+        auto = self._inline_mode is None
+        if inline and auto and self._ewma > _INLINE_BELOW:
+            inline = False  # measured slow: workers (their measurements may bring it back)
+        handle = self._handle
+        cap = self._max_concurrency
+        perf = time.perf_counter
+        last_topic: str | None = None
+        last_partition = -1
+        st: PartitionState | None = None
+        sample = 0
+        seen = 0  # records of ``st`` in this run
+        last_offset = -1
+        done_inline = 0
+        engine.fetched += len(messages)
+        for msg in messages:
+            if msg.error() is not None:
+                engine.message_error(msg.error())  # type: ignore[arg-type]
+                continue
+            partition: int = msg.partition()  # type: ignore[assignment]
+            topic: str = msg.topic()  # type: ignore[assignment]
+            if partition != last_partition or topic != last_topic:
+                if st is not None and seen:
+                    st.position = last_offset + 1
+                    st.fetched += seen
+                st = states.get((topic, partition))
+                last_topic = topic
+                last_partition = partition
+                seen = 0
+            if st is None or st.phase != ACTIVE:
+                continue  # fetched just before its partition was revoked: the next owner has it
+            offset: int = msg.offset()  # type: ignore[assignment]
+            last_offset = offset
+            seen += 1
+            record = Record(msg, offset, msg.key(), st)
+            k: Hashable = keyfn(record) if keyfn is not None else record.key
+            if k is None:
+                k = record  # no key: a key of its own (identity-hashed)
+            if inline and k not in lanes and self._running < cap and self._accepting:
+                # One call in eight is timed: enough to notice a handler turning slow within a
+                # batch, at an eighth of the clock's cost.
+                sample += 1
+                started = perf() if auto and not sample & 7 else 0.0
+                try:
+                    result = handle(record)
+                except Exception as exc:
+                    self._adopt(record, k)
+                    self._after(self._ended(record, exc))
+                    continue
+                if result is None or _plain(result):
+                    if started:
+                        ewma = self._ewma = self._ewma + (perf() - started - self._ewma) * _EWMA
+                        if ewma > _INLINE_BELOW:
+                            inline = False
+                    if st.order:
+                        st.order.append(offset)
+                        st.done.add(offset)
+                    else:
+                        st.committable = offset + 1
+                    done_inline += 1
+                else:
+                    self._adopt(record, k)
+                    self._attach(record, result)
+                continue
+            start = None
+            record._lane = k
+            with self._lock:
+                st.order.append(offset)
+                lane = lanes.get(k)
+                if lane is not None:
+                    lane.append(record)
+                    self._queued += 1
+                else:
+                    lanes[k] = deque()
+                    if self._running < cap and self._accepting:
+                        self._running += 1
+                        st.running += 1
+                        start = record
+                    else:
+                        self._ready.append(record)
+                        self._queued += 1
+            if start is not None:
+                self._start(start)
+        if st is not None and seen:
+            st.position = last_offset + 1
+            st.fetched += seen
+        self._inline_completed += done_inline
+
+    def outstanding(self, states: Sequence[PartitionState]) -> int:
+        return sum(s.running for s in states)
+
+    def pending(self) -> int:
+        return self._running + self._queued  # records awaiting a retry hold slots
+
+    def revoking(self, states: Sequence[PartitionState]) -> None:
+        # Their queued records are skipped when their turn comes (a record's state is checked
+        # before it starts), which keeps each lane's order intact without searching the lanes.
+        # Records waiting for a retry hold a slot: they give it back now.
+        if self._retry:
+            with self._lock:
+                gone = [r for r in self._retry if r._state.phase != ACTIVE]
+                self._retry = [r for r in self._retry if r._state.phase == ACTIVE]
+            for record in gone:
+                self._after(self._ended(record, None, dropped=True))
+
+    def stopping(self, drain: bool) -> None:
+        self._request_close(drain)
+
+    # -- running records -------------------------------------------------------------------
+
+    def _adopt(self, record: Record, k: Hashable) -> None:
+        """Count an inline-started record as running in its (new) lane."""
+        st = record._state
+        record._lane = k
+        with self._lock:
+            st.order.append(record.offset)
+            self._lanes[k] = deque()
+            self._running += 1
+            st.running += 1
+
+    def _start(self, record: Record) -> None:
+        """Run a record that holds a slot (counted in ``_running``), outside the lock."""
+        if self._scheduler is not None:
+            self._start_scheduled(record)
+        elif self._is_async:
+            try:
+                coro = self._handle(record)
+            except Exception as exc:
+                self._after(self._ended(record, exc))
+                return
+            self._attach(record, coro)
+        else:
+            executor = self._executor
+            if executor is None:
+                with self._lock:
+                    if self._executor is None:
+                        self._executor = concurrent.futures.ThreadPoolExecutor(
+                            self._max_concurrency, thread_name_prefix="rxcoord-kafka"
+                        )
+                    executor = self._executor
+            try:
+                executor.submit(self._work, record)
+            except RuntimeError:  # shut down after the drain deadline: the record is dropped
+                self._after(self._ended(record, None, dropped=True))
+
+    def _work(self, record: Record | None) -> None:
+        """A worker thread: run the record, then the next of its key while it may keep the slot."""
+        _inside.consumer = self
+        handle = self._handle
+        perf = time.perf_counter
+        while record is not None:
+            started = perf()
+            try:
+                result = handle(record)
+            except Exception as exc:
+                record = self._next_here(self._ended(record, exc))
+                continue
+            self._ewma += (perf() - started - self._ewma) * _EWMA
+            if _plain(result):
+                record = self._next_here(self._ended(record, None))
+            else:
+                self._attach(record, result)
+                record = None
+
+    def _next_here(self, successors: list[Record]) -> Record | None:
+        """Keep the first successor on this worker thread; start the others elsewhere."""
+        if not successors:
+            return None
+        for other in successors[1:]:
+            self._start(other)
+        return successors[0]
+
+    def _attach(self, record: Record, result: Any) -> None:
+        """The handler returned an Observable, awaitable or future: the record ends with it."""
+        ended = functools.partial(self._ended_later, record)
+        if isinstance(result, rx_abc.ObservableBase):
+            done = threading.Lock()  # one end per record, whatever the Observable does
+
+            def once(error: Exception | None) -> None:
+                if done.acquire(blocking=False):
+                    ended(error)
+
+            result.subscribe(on_error=once, on_completed=lambda: once(None))
+        elif isinstance(result, concurrent.futures.Future):
+            result.add_done_callback(lambda f: ended(_future_error(f)))
+        elif isinstance(result, asyncio.Future):
+            result.get_loop().call_soon_threadsafe(
+                result.add_done_callback, lambda f: ended(_future_error(f))
+            )
+        else:
+            loop = self._ensure_loop()
+            try:
+                future = asyncio.run_coroutine_threadsafe(_awaited(result), loop)
+            except RuntimeError as exc:  # the loop was closed under us
+                ended(exc)
+                return
+            future.add_done_callback(lambda f: ended(_future_error(f)))
+
+    def _ended_later(self, record: Record, error: BaseException | None) -> None:
+        if error is not None and not isinstance(error, Exception):
+            error = RuntimeError(f"handler of {record!r} was cancelled: {error!r}")
+        for successor in self._ended(record, error):
+            self._start(successor)
+
+    def _after(self, successors: list[Record]) -> None:
+        for successor in successors:
+            self._start(successor)
+
+    def _ended(
+        self, record: Record, error: Exception | None, *, dropped: bool = False
+    ) -> list[Record]:
+        """A running record ended: report its offset, free its slot, pick who runs next.
+
+        Returns the records that take slots now (to be started by the caller, outside the lock).
+        """
+        if error is not None and not dropped:
+            error = self._apply_on_error(record, error)
+        st = record._state
+        successors: list[Record] = []
+        with self._lock:
+            self._running -= 1
+            st.running -= 1
+            if dropped:
+                self._dropped += 1
+            elif error is None:
+                self._completed += 1
+                if st.phase != REVOKED:
+                    st.done.add(record.offset)
+                else:
+                    self._dropped += 1  # late result of a revoked assignment: dropped
+            k = self._key_of(record)
+            lane = self._lanes.get(k)
+            if lane is not None:
+                # The next record of this key in the lane, skipping those of revoked partitions.
+                while lane and self._accepting:
+                    nxt = lane.popleft()
+                    self._queued -= 1
+                    if nxt._state.phase != ACTIVE:
+                        self._dropped += 1
+                        continue
+                    if self._running < self._max_concurrency:
+                        self._running += 1
+                        nxt._state.running += 1
+                        successors.append(nxt)
+                    else:
+                        self._ready.append(nxt)
+                        self._queued += 1
+                    break
+                else:
+                    del self._lanes[k]
+            self._fill(successors)
+            if self._engine.waiters:
+                self._engine.changed.notify_all()
+        return successors
+
+    def _fill(self, successors: list[Record]) -> None:
+        """Give free slots to ready records, oldest first (under the lock)."""
+        ready = self._ready
+        while ready and self._accepting and self._running < self._max_concurrency:
+            nxt = ready.popleft()
+            self._queued -= 1
+            if nxt._state.phase != ACTIVE:
+                self._dropped += 1
+                self._release_lane(nxt)
+                continue
+            self._running += 1
+            nxt._state.running += 1
+            successors.append(nxt)
+
+    def _release_lane(self, record: Record) -> None:
+        """A ready record was dropped: its lane's next record becomes ready (under the lock)."""
+        k = self._key_of(record)
+        lane = self._lanes.get(k)
+        if lane is None:
+            return
+        if lane:
+            self._ready.append(lane.popleft())  # stays counted in _queued
+        else:
+            del self._lanes[k]
+
+    def _drop_queued(self) -> None:
+        """Stopping: queued records never start (under the lock). Records waiting for a retry
+        hold slots; the poll loop's next ``_offer_retries`` drops them and frees the slots."""
+        self._dropped += self._queued
+        self._queued = 0
+        self._ready.clear()
+        for k in [k for k, lane in self._lanes.items() if lane]:
+            self._lanes[k].clear()
+
+    @staticmethod
+    def _key_of(record: Record) -> Hashable:
+        k: Hashable = record._lane
+        return k
+
+    def _apply_on_error(self, record: Record, error: Exception) -> Exception | None:
+        """Apply ``on_error``; returns the error if the consumer must stop, else ``None``."""
+        policy = self._on_error
+        with self._lock:
+            self._failed += 1
+        if policy == "skip":
+            self._log.opt(exception=error).warning("{} failed; skipped", record)
+            return None
+        if policy == "stop":
+            self._fail(error)
+            return error
+        try:
+            policy(record, error)
+        except Exception as exc:
+            self._log.opt(exception=exc).error("on_error raised for {}; stopping", record)
+            self._fail(exc)
+            return exc
+        return None
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            self._accepting = False
+            self._drop_queued()
+        self._stop.set()
+
+    # -- schedulers and loops --------------------------------------------------------------
+
+    def _start_scheduled(self, record: Record) -> None:
+        scheduler = self._scheduler
+        job: Callable[[], Any] = functools.partial(self._handle, record)
+        k = self._key_of(record)
+        # Our lanes already order the key; passing it on lets a coordinator with leases= hold
+        # the key's lease across processes while the record runs.
+        lane_key = None if k is record else k
+        if isinstance(scheduler, TenantScheduler):
+            assert self._tenant is not None
+            observable = scheduler.execute(self._tenant(record), job, key=lane_key)
+        else:
+            assert scheduler is not None
+            observable = scheduler.execute(job, key=lane_key)
+        done = threading.Lock()
+
+        def on_next(value: Any) -> None:
+            if not _plain(value) and done.acquire(blocking=False):
+                self._attach(record, value)
+
+        def on_error(error: Exception) -> None:
+            if done.acquire(blocking=False):
+                if isinstance(error, TooManyTasks):
+                    self._refused(record)
+                else:
+                    self._ended_later(record, error)
+
+        def on_completed() -> None:
+            if done.acquire(blocking=False):
+                self._ended_later(record, None)
+
+        if self._is_async:
+            loop = self._ensure_loop()
+            loop.call_soon_threadsafe(lambda: observable.subscribe(on_next, on_error, on_completed))
+        else:
+            observable.subscribe(on_next, on_error, on_completed)
+
+    def _refused(self, record: Record) -> None:
+        # The scheduler is full (its queue is shared with others): keep the slot and the lane,
+        # and offer the record again shortly from the poll loop.
+        with self._lock:
+            self._retry.append(record)
+            self._retry_at = time.monotonic() + _RETRY_AFTER
+
+    def _offer_retries(self) -> None:
+        with self._lock:
+            retry, self._retry = self._retry, []
+        for record in retry:
+            if record._state.phase != ACTIVE or not self._accepting:
+                self._after(self._ended(record, None, dropped=True))
+            else:
+                self._start(record)
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop async handlers run on: run_async()'s, or one thread of our own for run()."""
+        if self._loop is not None:
+            return self._loop
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def serve() -> None:
+                    _inside.consumer = self
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                    loop.close()
+
+                self._own_loop = threading.Thread(
+                    target=serve, name="rxcoord-kafka-loop", daemon=True
+                )
+                self._own_loop.start()
+                ready.wait()
+                self._loop = loop
+            return self._loop
+
+    @staticmethod
+    def _lag(state: PartitionState, base: int) -> int | None:
+        high = state.high
+        return None if base < 0 or high < 0 else max(0, high - base)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _future_error(future: Any) -> BaseException | None:
+    if future.cancelled():
+        return asyncio.CancelledError()
+    error: BaseException | None = future.exception()
+    return error
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+# -- argument checks -------------------------------------------------------------------------
+
+
+def _check_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            "config must be a dict of confluent-kafka settings, e.g. "
+            f'{{"bootstrap.servers": "host:9092", "group.id": "orders"}}, not {config!r}'
+        )
+    conf = dict(config)
+    for name in conf:
+        if not isinstance(name, str):
+            raise TypeError(f"config keys must be str, not {name!r}")
+    if not conf.get("bootstrap.servers"):
+        raise ValueError('config needs "bootstrap.servers": the brokers to connect to')
+    if not conf.get("group.id"):
+        raise ValueError(
+            'config needs "group.id": the consumer group that owns the commits, e.g. "orders"'
+        )
+    auto = conf.get("enable.auto.commit")
+    if auto not in (None, False, "false", "False"):
+        raise ValueError(
+            'remove "enable.auto.commit" from config: KeyedConsumer commits the completed '
+            "prefix itself, and auto-commit would commit records still running"
+        )
+    return conf
+
+
+def _check_topics(topics: Sequence[str]) -> list[str]:
+    if isinstance(topics, str | bytes):
+        raise TypeError(f"topics must be a list of names, e.g. [{topics!r}], not a string")
+    try:
+        names = list(topics)
+    except TypeError:
+        raise TypeError(f"topics must be a list of topic names, not {topics!r}") from None
+    if not names:
+        raise ValueError("topics must name at least one topic")
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"each topic must be a non-empty str, not {name!r}")
+    return names
+
+
+def _check_count(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be at least 1, not {value}")
+    return value
+
+
+def _check_seconds(value: float, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, not {value!r}")
+    if not value > 0:
+        raise ValueError(f"{what} must be a positive number of seconds, not {value}")
+    return float(value)

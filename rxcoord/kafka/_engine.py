@@ -1,0 +1,385 @@
+"""The poll loop under both consumer forms: fetch, track, pause, commit, rebalance.
+
+What Kafka (librdkafka) already does is left to it: group membership and heartbeats (on its own
+thread, so a busy handler never costs the membership), fetching, assignment, pause/resume and
+the commit protocol. What it lacks, and the engine adds, is an ordering-aware commit point: with
+``enable.auto.commit`` Kafka commits whatever was *returned* by ``consume()``, which is at-most-
+once for records still running. The engine instead commits, per partition, the end of the
+contiguous prefix of *completed* offsets (``PartitionState``), periodically, on revoke and on
+close, never per record.
+
+The engine is driven by a *processor* (the keyed dispatcher of ``KeyedConsumer``, or the Rx
+source's emitter) that receives each batch and reports completions by adding offsets to their
+partition state's ``done`` set under ``lock``. Everything else runs on the one poll thread:
+rebalance callbacks, too, are called by librdkafka inside ``consume()`` on that thread.
+
+Backpressure keeps the consumer in its group: beyond ``max_in_flight`` uncommitted records the
+partitions holding more than their share are paused (``Consumer.pause``) while polling goes on,
+and resumed once the total fell to three quarters of the limit or the partition below half its
+share. A slow key therefore pauses only its own partition, whose commit point it holds back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from loguru import logger
+
+from ._errors import BrokerUnavailable, UnknownTopic
+from ._partitions import REVOKED, REVOKING, PartitionState
+
+__all__ = ["Engine", "Processor", "complete", "make_consumer"]
+
+_POLL_TIMEOUT = 0.05  # seconds consume() waits for a batch: bounds the latency of close and commit
+
+
+class Processor(Protocol):
+    """What the engine asks of the code that runs the records."""
+
+    def dispatch(self, messages: list[Message]) -> None:
+        """Run or queue a batch (poll thread). Must skip messages ``engine.state_of`` rejects."""
+
+    def outstanding(self, states: Sequence[PartitionState]) -> int:
+        """Records of these states whose handling started and has not ended (under the lock)."""
+
+    def pending(self) -> int:
+        """Records fetched and neither ended nor dropped, all partitions (under the lock)."""
+
+    def revoking(self, states: Sequence[PartitionState]) -> None:
+        """These states are being revoked: start none of their records (poll thread)."""
+
+    def stopping(self, drain: bool) -> None:
+        """The engine stops: start nothing new unless ``drain`` (poll thread)."""
+
+
+def make_consumer(config: Mapping[str, Any], on_commit: Callable[..., None]) -> Consumer:
+    """Create the confluent-kafka consumer with the engine's settings over the user's.
+
+    Raises:
+        ValueError: the configuration is refused by librdkafka (unknown or invalid property).
+    """
+    conf = dict(config)
+    user_on_commit = conf.pop("on_commit", None)
+
+    def commit_cb(error: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        on_commit(error, partitions)
+        if user_on_commit is not None:
+            user_on_commit(error, partitions)
+
+    # The engine commits explicit offsets itself; librdkafka's automatic commit would commit
+    # records that are still running.
+    conf["enable.auto.commit"] = False
+    conf["enable.auto.offset.store"] = False
+    conf["on_commit"] = commit_cb
+    try:
+        return Consumer(conf)
+    except KafkaException as exc:
+        raise ValueError(f"confluent-kafka refused the configuration: {exc.args[0]}") from exc
+
+
+class Engine:
+    """Owns the confluent-kafka consumer and its partition states; runs on the poll thread."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        topics: Sequence[str],
+        *,
+        max_in_flight: int,
+        commit_interval: float,
+        revoke_timeout: float,
+        startup_timeout: float,
+        batch_size: int,
+        name: str,
+    ) -> None:
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified when records end (waiters only)
+        self.waiters = 0
+        self.topics = list(topics)
+        self.max_in_flight = max_in_flight
+        self.commit_interval = commit_interval
+        self.revoke_timeout = revoke_timeout
+        self.startup_timeout = startup_timeout
+        self.batch_size = batch_size
+        self.bootstrap = str(config.get("bootstrap.servers", ""))
+        self.log = logger.bind(consumer=name)
+        self.consumer = make_consumer(config, self._on_commit)
+        self.states: dict[tuple[str, int], PartitionState] = {}
+        self.processor: Processor | None = None
+        self.failure: BaseException | None = None  # a fatal Kafka error ends the loop with it
+        self.rebalances = 0
+        self.commits = 0
+        self.fetched = 0
+        self._epochs = 0
+        self._next_commit = 0.0
+        self._closing = False
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def check_startup(self) -> None:
+        """Fail fast on an unreachable cluster or a missing topic instead of polling forever.
+
+        Raises:
+            BrokerUnavailable: no broker answered within ``startup_timeout``.
+            UnknownTopic: a subscribed topic does not exist.
+        """
+        try:
+            metadata = self.consumer.list_topics(timeout=self.startup_timeout)
+        except KafkaException as exc:
+            raise BrokerUnavailable(
+                f"no Kafka broker of bootstrap.servers={self.bootstrap!r} answered within "
+                f"{self.startup_timeout:g}s ({exc.args[0]}): check the address and that the "
+                "cluster is up, or raise startup_timeout"
+            ) from exc
+        missing = [
+            topic
+            for topic in self.topics
+            if not topic.startswith("^")  # a pattern subscription matches whatever exists
+            and (topic not in metadata.topics or metadata.topics[topic].error is not None)
+        ]
+        if missing:
+            raise UnknownTopic(
+                f"topic(s) {', '.join(map(repr, missing))} do not exist on {self.bootstrap!r}: "
+                "create them first (for example with confluent_kafka.admin.AdminClient."
+                "create_topics), or fix the name"
+            )
+
+    def subscribe(self) -> None:
+        self.consumer.subscribe(
+            self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
+        self._next_commit = time.monotonic() + self.commit_interval
+
+    def poll_once(self, accept: bool) -> None:
+        """One turn: fetch a batch (dispatched if ``accept``), move commit points, pause, commit."""
+        messages = self.consumer.consume(self.batch_size, _POLL_TIMEOUT)
+        if messages and accept:
+            assert self.processor is not None
+            self.processor.dispatch(messages)
+        # Records consumed while not accepting are neither run nor tracked: every later one of
+        # their partition is dropped too, so the commit point never passes them.
+        self.housekeeping()
+
+    def housekeeping(self) -> None:
+        with self.lock:
+            for state in self.states.values():
+                if state.order:
+                    state.advance()
+        self._backpressure()
+        now = time.monotonic()
+        if now >= self._next_commit:
+            self._next_commit = now + self.commit_interval
+            self.commit(list(self.states.values()), asynchronous=True)
+            self._refresh_watermarks()
+
+    def _refresh_watermarks(self) -> None:
+        # Read here, on the poll thread: called from another thread (stats()) it can deadlock,
+        # the caller holding the GIL inside librdkafka while consume() waits for the GIL to run
+        # a callback. ``cached`` reads the last fetch response; no request is sent.
+        for s in self.states.values():
+            try:
+                _, high = self.consumer.get_watermark_offsets(
+                    TopicPartition(s.topic, s.partition), cached=True
+                )
+            except KafkaException:
+                continue
+            if high is not None and high >= 0:
+                s.high = high
+
+    def commit(self, states: Sequence[PartitionState], *, asynchronous: bool) -> None:
+        """Commit each state's completed prefix that moved since its last commit."""
+        offsets = [
+            TopicPartition(s.topic, s.partition, s.committable)
+            for s in states
+            if s.committable > s.requested
+        ]
+        if not offsets:
+            return
+        for s in states:
+            if s.committable > s.requested:
+                s.requested = s.committable
+        self.commits += 1
+        try:
+            if asynchronous:
+                self.consumer.commit(offsets=offsets, asynchronous=True)
+            else:
+                self._on_commit(None, self.consumer.commit(offsets=offsets, asynchronous=False))
+        except KafkaException as exc:
+            # A commit refused during a rebalance (the generation moved on) is not fatal: the
+            # new owner starts from the last commit that did succeed, so records repeat, none
+            # is lost.
+            self.log.warning("commit of {} failed: {}", offsets, exc)
+            for s in states:
+                s.requested = s.committed
+            return
+
+    def _on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        if error is not None:
+            # The whole request failed (for example a rebalance moved the generation on):
+            # nothing of it is committed; the next periodic commit asks again.
+            self.log.warning("commit failed: {}", error)
+            for tp in partitions:
+                state = self.states.get((tp.topic, tp.partition))
+                if state is not None:
+                    state.requested = state.committed
+            return
+        for tp in partitions:
+            state = self.states.get((tp.topic, tp.partition))
+            if state is None:
+                continue
+            if tp.error is None and tp.offset >= 0:
+                state.committed = max(state.committed, tp.offset)
+            elif tp.error is not None:
+                state.requested = state.committed  # retried by the next periodic commit
+
+    def _backpressure(self) -> None:
+        states = self.states
+        if not states:
+            return
+        total = 0
+        for s in states.values():
+            total += len(s.order)
+        limit = self.max_in_flight
+        share = max(1, limit // len(states))
+        pause: list[PartitionState] = []
+        resume: list[PartitionState] = []
+        for s in states.values():
+            held = len(s.order)
+            if not s.paused:
+                if total >= limit and held >= share:
+                    pause.append(s)
+            elif total < limit * 3 // 4 or held < share // 2:
+                resume.append(s)
+        if pause:
+            self.consumer.pause([TopicPartition(s.topic, s.partition) for s in pause])
+            for s in pause:
+                s.paused = True
+            self.log.debug("paused {} partition(s): {} records in flight", len(pause), total)
+        if resume:
+            self.consumer.resume([TopicPartition(s.topic, s.partition) for s in resume])
+            for s in resume:
+                s.paused = False
+
+    def pause_all(self) -> None:
+        """Stop fetching everywhere while polling goes on (shutdown)."""
+        assigned = [TopicPartition(s.topic, s.partition) for s in self.states.values()]
+        if assigned:
+            self.consumer.pause(assigned)
+        for s in self.states.values():
+            s.paused = True
+
+    def wait_for(self, predicate: Callable[[], bool], deadline: float) -> bool:
+        """Block (under the lock's condition) until ``predicate`` holds or ``deadline`` passes."""
+        with self.changed:
+            self.waiters += 1
+            try:
+                while not predicate():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self.changed.wait(min(left, 0.1))
+                return True
+            finally:
+                self.waiters -= 1
+
+    def close(self) -> None:
+        """Commit what completed and leave the group (the revoke callback commits nothing new)."""
+        self._closing = True
+        try:
+            with self.lock:
+                for state in self.states.values():
+                    state.advance()
+            self.commit(list(self.states.values()), asynchronous=False)
+        finally:
+            self.consumer.close()
+
+    # -- rebalance callbacks (poll thread, inside consume()) ------------------------------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        with self.lock:
+            self.rebalances += 1
+            for tp in partitions:
+                self._epochs += 1
+                self.states[(tp.topic, tp.partition)] = PartitionState(
+                    tp.topic, tp.partition, self._epochs, self
+                )
+        self.log.info("assigned {}", [(tp.topic, tp.partition) for tp in partitions])
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        states = self._take(partitions)
+        if not states:
+            return
+        with self.lock:
+            for s in states:
+                s.phase = REVOKING
+        assert self.processor is not None
+        self.processor.revoking(states)
+        if not self._closing:
+            # Records of these partitions that already run get a bounded time to finish, so
+            # their completions make it into the final commit; the group's rebalance waits
+            # for this callback meanwhile.
+            deadline = time.monotonic() + self.revoke_timeout
+            finished = self.wait_for(lambda: self.processor.outstanding(states) == 0, deadline)  # type: ignore[union-attr]
+            if not finished:
+                self.log.warning(
+                    "revoke: records of {} still running after {}s; their results are dropped",
+                    [(s.topic, s.partition) for s in states],
+                    self.revoke_timeout,
+                )
+        with self.lock:
+            for s in states:
+                s.advance()
+        self.commit(states, asynchronous=False)
+        with self.lock:
+            for s in states:
+                s.phase = REVOKED  # from now on, late completions are dropped
+        self.log.info("revoked {}", [(s.topic, s.partition) for s in states])
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Lost (session expired): another member may own them already, so commit nothing.
+        states = self._take(partitions)
+        with self.lock:
+            for s in states:
+                s.phase = REVOKED
+        if states:
+            assert self.processor is not None
+            self.processor.revoking(states)
+        self.log.warning("lost {}", [(s.topic, s.partition) for s in states])
+
+    def _take(self, partitions: list[TopicPartition]) -> list[PartitionState]:
+        with self.lock:
+            self.rebalances += 1
+            taken = []
+            for tp in partitions:
+                state = self.states.pop((tp.topic, tp.partition), None)
+                if state is not None:
+                    taken.append(state)
+            return taken
+
+    # -- helpers for processors -----------------------------------------------------------
+
+    def message_error(self, error: KafkaError) -> None:
+        """A message carrying an error instead of a record: fatal ones end the loop."""
+        code = error.code()
+        if code == KafkaError._PARTITION_EOF:
+            return
+        if error.fatal():
+            self.failure = KafkaException(error)
+            return
+        self.log.warning("consumer error: {}", error)
+
+
+def complete(state: PartitionState, offset: int) -> None:
+    """Report a record of ``state`` as completed (any thread); dropped once it was revoked."""
+    engine = state.owner
+    assert isinstance(engine, Engine)
+    with engine.lock:
+        # Offsets below the prefix were completed already (a record reported twice).
+        if state.phase != REVOKED and offset >= state.committable:
+            state.done.add(offset)
+        if engine.waiters:
+            engine.changed.notify_all()
