@@ -27,7 +27,8 @@ from reactivex import operators as ops
 from reactivex.scheduler import NewThreadScheduler
 from reactivex.testing import TestScheduler
 
-from rxcoord import KeyedLocks, KeyedLocksStats, Lease, _locks
+from rxcoord import KeyedLocks, KeyedLocksStats, Lease
+from rxcoord._locks import _facade as _locks
 from rxcoord._errors import LeaseReleasedError, LockTimeout, RxcoordError
 
 WAIT = 10.0  # generous bound for events that must happen; never reached when correct

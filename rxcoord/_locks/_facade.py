@@ -124,10 +124,10 @@ from reactivex.disposable import Disposable, SingleAssignmentDisposable
 from reactivex.observer.autodetachobserver import AutoDetachObserver
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 
-from ._core.futures import AwaitableObservable, LoopObserver, last_value
-from ._core.timer import TimerHandle, call_later
-from ._core.workers import WorkerPool, hand_off
-from ._errors import LeaseReleasedError, LockTimeout
+from .._core.futures import AwaitableObservable, LoopObserver, last_value
+from .._core.timer import TimerHandle, call_later
+from .._core.workers import WorkerPool, hand_off
+from .._errors import LeaseReleasedError, LockTimeout
 
 __all__ = ["KeyedLocks", "KeyedLocksStats", "Lease"]
 
