@@ -28,7 +28,7 @@ from reactivex.scheduler import NewThreadScheduler
 from reactivex.testing import TestScheduler
 
 from rxcoord import KeyedLocks, KeyedLocksStats, Lease
-from rxcoord._locks import _facade as _locks
+from rxcoord._locks import _waiting
 from rxcoord._errors import LeaseReleasedError, LockTimeout, RxcoordError
 
 WAIT = 10.0  # generous bound for events that must happen; never reached when correct
@@ -640,16 +640,16 @@ def test_a_lease_racing_with_disposal_is_delivered_not_dropped(
     # window: dispose() starts on another thread (marking the observer stopped) and is held
     # before it reaches KeyedLocks while the scheduled delivery runs. The lease must reach
     # on_next (the subscriber releases it) instead of vanishing with the key locked forever.
-    original = _locks._Acquisition.dispose
+    original = _waiting.Acquisition.dispose
     entered, proceed = threading.Event(), threading.Event()
 
-    def held_open(self: _locks._Acquisition) -> None:
+    def held_open(self: _waiting.Acquisition) -> None:
         if threading.current_thread().name == "disposer":
             entered.set()
             assert proceed.wait(WAIT)
         original(self)
 
-    monkeypatch.setattr(_locks._Acquisition, "dispose", held_open)
+    monkeypatch.setattr(_waiting.Acquisition, "dispose", held_open)
     locks = KeyedLocks()
     scheduler = TestScheduler()
     holder, _ = watch(locks.acquire("a"))
