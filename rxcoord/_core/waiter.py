@@ -167,12 +167,23 @@ class Waiter(Generic[_T]):
 
     # -- waiting ----------------------------------------------------------------------------------
 
-    def wait(self, timeout: float | None = None) -> _T | None:
+    def wait(
+        self, timeout: float | None = None, *, expire: Callable[[], bool] | None = None
+    ) -> _T | None:
         """Block the calling thread until granted; the value, or None on timeout.
 
         On timeout the waiter is cancelled (a grant arriving later is released); if the grant
         won the race it is taken and returned. The owner still withdraws the request when this
         returns None (``state`` is then :data:`CANCELLED`).
+
+        Args:
+            timeout: Seconds to wait; None waits until granted.
+            expire: Asked at the deadline, on the waiting thread, when no grant has arrived: it
+                returns True if the waiter gives up (typically: the owner found the request
+                still pending, withdrew it and cancelled the waiter, all under its own lock),
+                or False if the owner has already decided a grant that is on its way - which
+                is then waited for without a deadline (the grant must not be wasted because
+                its hand-over is a moment late). Without ``expire`` the waiter gives up.
         """
         if self._state is GRANTED:
             return self.take()
@@ -181,14 +192,27 @@ class Waiter(Generic[_T]):
         self.bind(parked.release)
         if timeout is None:
             parked.acquire()
-        else:
-            parked.acquire(timeout=min(timeout, threading.TIMEOUT_MAX))
+        elif not parked.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
+            if expire is not None and not expire():
+                parked.acquire()  # decided before the deadline: its wake-up is on the way
+                return self.take()
         return self.take_or_cancel()
 
-    async def wait_async(self) -> _T:
+    async def wait_async(
+        self, timeout: float | None = None, *, expire: Callable[[], bool] | None = None
+    ) -> _T:
         """Suspend the running task until granted; cancelling the task cancels the waiter.
 
         A grant that raced with the task's cancellation is released, never lost.
+
+        Args:
+            timeout: Seconds to wait; None waits until granted.
+            expire: As for :meth:`wait`.
+
+        Raises:
+            TimeoutError: Not granted within ``timeout`` (the waiter is cancelled).
+            asyncio.CancelledError: The task was cancelled, or the waiter was cancelled from
+                elsewhere after its wake-up.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
@@ -201,6 +225,15 @@ class Waiter(Generic[_T]):
 
         self.bind(wake)
         try:
+            if timeout is not None:
+                # asyncio.wait, not asyncio.timeout: the future must survive the deadline, in
+                # case ``expire`` says its grant is on the way.
+                done, _ = await asyncio.wait((future,), timeout=timeout)
+                if not done and (expire is None or expire()):
+                    value = self.take_or_cancel()
+                    if value is None:
+                        raise TimeoutError(f"not granted within {timeout:g} s")
+                    return value
             await future
         except BaseException:
             self.cancel()

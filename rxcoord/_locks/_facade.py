@@ -362,7 +362,25 @@ class KeyedLocks(GrantTable):
     def run(
         self,
         key: Hashable,
+        fn: Callable[[Lease], Work[_R]],
+        *,
+        timeout: float | None = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    @overload
+    def run(
+        self,
+        key: Hashable,
         fn: Callable[[], _R],
+        *,
+        timeout: float | None = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    @overload
+    def run(
+        self,
+        key: Hashable,
+        fn: Callable[[Lease], _R],
         *,
         timeout: float | None = ...,
         scheduler: abc.SchedulerBase | None = ...,
@@ -370,36 +388,45 @@ class KeyedLocks(GrantTable):
     def run(
         self,
         key: Hashable,
-        fn: Callable[[], Any],
+        fn: Callable[..., Any],
         *,
         timeout: float | None = None,
         scheduler: abc.SchedulerBase | None = None,
     ) -> Observable[Any]:
         """Run ``fn`` under a lease on ``key``; the lease is released when ``fn``'s work ends.
 
-        ``fn`` is called when the lease is granted, on the granting thread (or ``scheduler``).
-        What it returns decides what the Observable emits and when the lease is released:
+        ``fn`` is called when the lease is granted, on the granting thread (or ``scheduler``),
+        as ``fn()`` or - like ``LeaseProvider.run``'s jobs - as ``fn(lease)``, so the job can
+        see its keys or release early: a ``fn`` callable without arguments is called so, one
+        that needs exactly one positional argument gets the :class:`Lease` (decided once, here,
+        from its signature). What ``fn`` returns decides what the Observable emits and when the
+        lease is released:
 
+        * a plain value - the lease is released, then the value is emitted and the Observable
+          completes;
+        * a coroutine (``fn`` is an ``async def``, or returns one), an asyncio future or any
+          other awaitable - run on the event loop that was running when ``run``'s Observable
+          was subscribed (without one, an awaitable is a ``TypeError`` to ``on_error``); the
+          lease is released when it has finished, then its result is emitted;
+        * a ``concurrent.futures.Future`` (say, from ``executor.submit``) - the lease is
+          released when it is done, then its result is emitted;
         * an Observable - subscribed at once; its items are forwarded while the lease is held,
-          and the lease is released just before its completion or error is forwarded;
-        * an awaitable (coroutine, asyncio or concurrent future) - run on the event loop that
-          was running when ``run``'s Observable was subscribed (a coroutine without one is an
-          error); the lease is released when it finishes, then its result is emitted;
-        * anything else - the lease is released, then the value is emitted and the
-          Observable completes.
+          and the lease is released just before its completion or error is forwarded.
 
-        An exception from ``fn`` releases the lease and becomes ``on_error``. Disposing the
-        subscription withdraws a waiting request, or disposes/cancels ``fn``'s work and
-        releases the lease once that work has ended: a running executor job that refuses
-        ``cancel()``, or a cancelled coroutine running its cleanup, keeps the lease until it
-        finishes (exclusion holds for as long as the work runs).
+        So the Observable emits one value (or, for an Observable job, its items) and completes,
+        or errors with ``fn``'s exception, the work's, or :class:`LockTimeout`. An exception
+        from ``fn`` releases the lease and becomes ``on_error``. Disposing the subscription
+        withdraws a waiting request, or disposes/cancels ``fn``'s work and releases the lease
+        once that work has ended: a running executor job that refuses ``cancel()``, or a
+        cancelled coroutine running its cleanup, keeps the lease until it finishes (exclusion
+        holds for as long as the work runs).
 
         Subscribed on a running asyncio loop (``await locks.run(...)``), the notifications
         reach the subscriber on the loop's thread, whichever thread granted the lease.
 
         Args:
             key: Any hashable value.
-            fn: The work to run under the lease, called without arguments.
+            fn: The work to run under the lease: ``fn()`` or ``fn(lease)``.
             timeout: Seconds to wait for the lease (``LockTimeout`` on expiry); ``fn``'s own
                 run time is not limited.
             scheduler: Call ``fn`` and deliver the results on this scheduler.
@@ -408,7 +435,8 @@ class KeyedLocks(GrantTable):
             An Observable of ``fn``'s result(s).
 
         Raises:
-            TypeError: ``key`` is unhashable, or ``timeout`` is not a number.
+            TypeError: ``key`` is unhashable, ``timeout`` is not a number, or ``fn`` can be
+                called neither as ``fn()`` nor as ``fn(lease)``.
             ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
         hash(key)
@@ -427,7 +455,25 @@ class KeyedLocks(GrantTable):
     def run_many(
         self,
         keys: Iterable[Hashable],
+        fn: Callable[[Lease], Work[_R]],
+        *,
+        timeout: float | None = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    @overload
+    def run_many(
+        self,
+        keys: Iterable[Hashable],
         fn: Callable[[], _R],
+        *,
+        timeout: float | None = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    @overload
+    def run_many(
+        self,
+        keys: Iterable[Hashable],
+        fn: Callable[[Lease], _R],
         *,
         timeout: float | None = ...,
         scheduler: abc.SchedulerBase | None = ...,
@@ -435,7 +481,7 @@ class KeyedLocks(GrantTable):
     def run_many(
         self,
         keys: Iterable[Hashable],
-        fn: Callable[[], Any],
+        fn: Callable[..., Any],
         *,
         timeout: float | None = None,
         scheduler: abc.SchedulerBase | None = None,
@@ -443,8 +489,8 @@ class KeyedLocks(GrantTable):
         """:meth:`run` under a bulk lease on ``keys`` (see :meth:`acquire_many`).
 
         Raises:
-            TypeError: A key is unhashable, ``keys`` is a ``str``/``bytes``, or ``timeout`` is
-                not a number.
+            TypeError: A key is unhashable, ``keys`` is a ``str``/``bytes``, ``timeout`` is
+                not a number, or ``fn`` takes neither no argument nor one (the lease).
             ValueError: ``keys`` is empty, or ``timeout`` is negative or beyond
                 ``threading.TIMEOUT_MAX``.
         """
@@ -461,14 +507,30 @@ class KeyedLocks(GrantTable):
     @overload
     def run_all(
         self,
+        fn: Callable[[Lease], Work[_R]],
+        *,
+        timeout: float | None = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    @overload
+    def run_all(
+        self,
         fn: Callable[[], _R],
+        *,
+        timeout: float | None = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    @overload
+    def run_all(
+        self,
+        fn: Callable[[Lease], _R],
         *,
         timeout: float | None = ...,
         scheduler: abc.SchedulerBase | None = ...,
     ) -> Observable[_R]: ...
     def run_all(
         self,
-        fn: Callable[[], Any],
+        fn: Callable[..., Any],
         *,
         timeout: float | None = None,
         scheduler: abc.SchedulerBase | None = None,
@@ -476,7 +538,8 @@ class KeyedLocks(GrantTable):
         """:meth:`run` under a global lease (see :meth:`acquire_all`).
 
         Raises:
-            TypeError: ``timeout`` is not a number.
+            TypeError: ``timeout`` is not a number, or ``fn`` takes neither no argument nor
+                one (the lease).
             ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
         return self._run((), fn, check_wait(timeout), scheduler)

@@ -97,12 +97,12 @@ def withdraw(locks: KeyedLocks, lease: Lease) -> list[Request] | None:
     return locks._withdraw(lease)
 
 
-def leave(lease: Lease, waiter: Waiter[Lease], *, timeout: bool) -> None:
-    """The waiter of ``lease`` gives up (timed out, cancelled, interrupted).
+def leave(lease: Lease, waiter: Waiter[Lease]) -> None:
+    """The waiter of ``lease`` gives up: its task was cancelled, its thread interrupted.
 
-    Cancels the waiter; a request still pending is withdrawn (counted as a timeout or a
-    cancellation), a grant already decided is released by the waiter rule, and a lease already
-    taken (the waiter was interrupted right after) is released here.
+    Cancels the waiter; a request still pending is withdrawn (counted as a cancellation), a
+    grant already decided is released by the waiter rule, and a lease already taken (the
+    waiter was interrupted right after taking it) is released here.
     """
     locks = lease._owner
     if waiter.cancel() is w.TAKEN:
@@ -112,12 +112,28 @@ def leave(lease: Lease, waiter: Waiter[Lease], *, timeout: bool) -> None:
     with locks._mutex:
         if lease._state == PENDING:
             granted = withdraw(locks, lease)
-            if timeout:
-                locks._timeouts += 1
-            else:
-                locks._cancelled += 1
+            locks._cancelled += 1
     if granted is not None:
         notify(granted)
+
+
+def expire(lease: Lease, waiter: Waiter[Lease]) -> bool:
+    """The deadline of ``lease``'s wait passed: True if it timed out (the request is withdrawn).
+
+    Only a pending request times out. A request the table granted before the deadline is
+    False: its hand-over to the waiter is on the way and is used, not wasted. (The Rx timer
+    follows the same rule, see ``Acquisition._on_timeout``.)
+    """
+    locks = lease._owner
+    with locks._mutex:
+        # cancel() of a pending waiter releases nothing, so it is safe under the mutex.
+        if lease._state != PENDING or waiter.cancel() is not w.PENDING:
+            return False
+        granted = withdraw(locks, lease)
+        locks._timeouts += 1
+    if granted is not None:
+        notify(granted)
+    return True
 
 
 def notify(granted: list[Request]) -> None:
@@ -175,13 +191,14 @@ def acquire_blocking(locks: KeyedLocks, lease: Lease, timeout: float | None) -> 
     if busy:
         raise timeout_error(lease, 0)
     try:
-        taken = waiter.wait(timeout)  # blocks on a plain lock the granting thread releases
+        # Blocks on a plain lock the granting thread releases; at the deadline the table says
+        # whether the request is still pending (withdrawn: LockTimeout) or already granted.
+        taken = waiter.wait(timeout, expire=lambda: expire(lease, waiter))
     except BaseException:
-        leave(lease, waiter, timeout=False)
+        leave(lease, waiter)
         raise
     if taken is not None:
         return taken
-    leave(lease, waiter, timeout=True)
     assert timeout is not None
     raise timed_out(lease, timeout)
 
@@ -205,16 +222,12 @@ async def acquire_async(locks: KeyedLocks, lease: Lease, limit: float | None) ->
     if busy:
         raise timeout_error(lease, 0)
     try:
-        if limit is None:
-            return await waiter.wait_async()
-        async with asyncio.timeout(limit):
-            return await waiter.wait_async()
+        return await waiter.wait_async(limit, expire=lambda: expire(lease, waiter))
     except TimeoutError:
-        leave(lease, waiter, timeout=True)
         assert limit is not None
         raise timed_out(lease, limit) from None
     except BaseException:
-        leave(lease, waiter, timeout=False)
+        leave(lease, waiter)
         raise
 
 
