@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from locks_support import WAIT, Notifications, daemon, is_free, wait_for
+from locks_support import WAIT, ManualTimer, Notifications, daemon, is_free, wait_for
 from loguru import logger
 from reactivex import Observable, abc
 from reactivex.testing import TestScheduler
@@ -622,7 +622,10 @@ def test_disposed_requests_parked_behind_a_global_request_are_not_retained() -> 
     assert len(locks) == 0
 
 
-def test_timed_out_requests_parked_behind_a_global_request_are_not_retained() -> None:
+def test_timed_out_requests_parked_behind_a_global_request_are_not_retained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timer = ManualTimer.install(monkeypatch)
     locks = KeyedLocks()
     stuck = locks.hold("stuck").__enter__()
     global_request = Notifications()
@@ -633,10 +636,11 @@ def test_timed_out_requests_parked_behind_a_global_request_are_not_retained() ->
     for i in range(count):
         payload = Payload()
         refs.append(weakref.ref(payload))
-        locks.acquire(("t", i), timeout=0.001).subscribe(
+        locks.acquire(("t", i), timeout=1).subscribe(
             subscriber(payload), lambda e: timed_out.release()
         )
     del payload
+    assert timer.fire() == count  # every deadline passes at once
     for _ in range(count):
         assert timed_out.acquire(timeout=WAIT)
     gc.collect()
@@ -816,12 +820,16 @@ def test_acquire_timeout_errors_and_withdraws() -> None:
     assert len(locks) == 0
 
 
-def test_a_global_request_that_times_out_lets_the_requests_behind_it_through() -> None:
+def test_a_global_request_that_times_out_lets_the_requests_behind_it_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timer = ManualTimer.install(monkeypatch)
     locks = KeyedLocks()
     a, _ = watch(locks.acquire("a"))
-    everything, _ = watch(locks.acquire_all(timeout=0.02))
+    everything, _ = watch(locks.acquire_all(timeout=1))
     b, _ = watch(locks.acquire("b"))
     assert not b.granted
+    assert timer.fire() == 1
     assert everything.done.wait(WAIT)
     assert isinstance(everything.errors[0], LockTimeout)
     assert "global" in str(everything.errors[0])
@@ -834,12 +842,16 @@ def test_a_global_request_that_times_out_lets_the_requests_behind_it_through() -
     assert len(locks) == 0
 
 
-def test_acquire_timeout_error_is_delivered_on_the_scheduler() -> None:
+def test_acquire_timeout_error_is_delivered_on_the_scheduler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timer = ManualTimer.install(monkeypatch)
     locks = KeyedLocks()
     a, _ = watch(locks.acquire("a"))
     scheduler = TestScheduler()
-    waiter, _ = watch(locks.acquire("a", timeout=0.01, scheduler=scheduler))
-    wait_for(lambda: locks.stats().timeouts_total == 1)
+    waiter, _ = watch(locks.acquire("a", timeout=1, scheduler=scheduler))
+    assert timer.fire() == 1
+    assert locks.stats().timeouts_total == 1  # withdrawn by the timer callback itself
     assert not waiter.errors
 
     def delivered() -> bool:
@@ -851,11 +863,14 @@ def test_acquire_timeout_error_is_delivered_on_the_scheduler() -> None:
     a.lease.release()
 
 
-def test_a_grant_before_the_deadline_cancels_the_timeout() -> None:
+def test_a_grant_before_the_deadline_cancels_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = ManualTimer.install(monkeypatch)
     locks = KeyedLocks()
     a, _ = watch(locks.acquire("a"))
     waiter, _ = watch(locks.acquire("a", timeout=WAIT))
+    assert timer.pending == 1
     a.lease.release()
+    assert timer.pending == 0  # cancelled by the delivery
     assert waiter.granted
     assert waiter.completed
     assert not waiter.errors

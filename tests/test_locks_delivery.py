@@ -4,7 +4,7 @@ Every waiter (a blocked thread, an asyncio task, an ``acquire*``/``run*`` subscr
 core ``Waiter``: whichever way it leaves (disposed, timed out, task cancelled, loop closed,
 delivery refused or dropped by its scheduler) and whichever thread wins a race with the grant,
 the lease is taken by the waiter's side or released. These tests open each window with events,
-gates and a controllable timer, never with sleeps.
+gates and a controllable timer, never by letting time pass.
 """
 
 from __future__ import annotations

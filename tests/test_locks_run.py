@@ -2,7 +2,7 @@
 or ``fn(lease)``), what it emits, and that the lease is released only when the work has really
 ended (a running executor job, a coroutine's cleanup, a job ``fn`` started while disposed).
 
-Windows are held open with events and gates, never with sleeps (see ``locks_support``).
+Windows are held open with events and gates, not by letting time pass (see ``locks_support``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import reactivex
-from locks_support import WAIT, Notifications, is_free, until, wait_for
+from locks_support import WAIT, ManualTimer, Notifications, is_free, until, wait_for
 from reactivex import Observable, abc
 from reactivex import operators as ops
 from reactivex.scheduler import NewThreadScheduler
@@ -162,7 +162,8 @@ def test_run_with_a_coroutine_in_a_loop() -> None:
     assert len(locks) == 0
 
 
-def test_run_timeout() -> None:
+def test_run_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = ManualTimer.install(monkeypatch)
     locks = KeyedLocks()
     holder = locks.hold("a").__enter__()
     called: list[bool] = []
@@ -173,8 +174,9 @@ def test_run_timeout() -> None:
         errors.append(error)
         done.set()
 
-    locks.run("a", lambda: called.append(True), timeout=0.01).subscribe(on_error=failed)
-    assert done.wait(WAIT)
+    locks.run("a", lambda: called.append(True), timeout=1).subscribe(on_error=failed)
+    assert timer.fire() == 1
+    assert done.wait(WAIT)  # the LockTimeout is delivered on rxcoord's delivery workers
     assert isinstance(errors[0], LockTimeout)
     assert called == []
     holder.release()

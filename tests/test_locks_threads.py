@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable, Iterable
 
 import pytest
 import reactivex
+from locks_support import wait_for
 from reactivex import Observable
 from reactivex import operators as ops
 from reactivex.scheduler import EventLoopScheduler, ThreadPoolScheduler
@@ -163,10 +164,7 @@ def stress(threads: int, ops_per_thread: int, keys: int, seed: int) -> None:
     workers = [threading.Thread(target=worker, args=(n,)) for n in range(threads)]
     run_with_watchdog(workers, lambda: sum(done) + checker.entries, locks)
     # Timed-out acquisitions may still be finishing on the pool; wait for the handovers.
-    deadline = time.monotonic() + STALL
-    while locks.stats().held or locks.stats().waiting:
-        assert time.monotonic() < deadline, locks.stats()
-        time.sleep(0.001)
+    wait_for(lambda: not (locks.stats().held or locks.stats().waiting), STALL)
     releases.put(None)
     release_thread.join(STALL)
     assert not errors
@@ -224,6 +222,7 @@ def test_global_request_granted_while_single_key_requests_keep_arriving() -> Non
     steps = [0, 0, 0]
     schedulers = [EventLoopScheduler() for _ in steps]
     rounds = 15
+    moved = threading.Condition()  # notified at every step of every chain
 
     def start_chain(n: int) -> None:
         scheduler = schedulers[n]
@@ -233,16 +232,16 @@ def test_global_request_granted_while_single_key_requests_keep_arriving() -> Non
             if not stop.is_set():
                 steps[n] += 1
                 locks.acquire((n, steps[n]), scheduler=scheduler).subscribe(on_lease)
+                with moved:
+                    moved.notify_all()
             checker.leave(lease.keys, False, lease)
             lease.release()
 
         locks.acquire((n, 0), scheduler=scheduler).subscribe(on_lease)
 
     def progressed(snapshot: int) -> None:
-        deadline = time.monotonic() + STALL
-        while min(steps) <= snapshot:
-            assert time.monotonic() < deadline, f"a chain starved: {steps}"
-            time.sleep(0.0005)
+        with moved:
+            assert moved.wait_for(lambda: min(steps) > snapshot, STALL), f"a chain starved: {steps}"
 
     try:
         for n in range(len(steps)):
@@ -258,9 +257,7 @@ def test_global_request_granted_while_single_key_requests_keep_arriving() -> Non
         assert checker.violations == []
     finally:
         stop.set()
-        deadline = time.monotonic() + STALL
-        while len(locks) and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_for(lambda: not len(locks), STALL)  # each chain's last lease is released
         for scheduler in schedulers:
             scheduler.dispose()
     assert len(locks) == 0
