@@ -69,6 +69,10 @@ class Waiter(Generic[_T]):
 
     __slots__ = ("_lock", "_release", "_state", "_value", "_wake")
 
+    # The lock is taken with explicit acquire()/release() (in try/finally): half the cost of a
+    # ``with`` block in CPython 3.11, and every grant, take and cancel of every lock and lease
+    # wait goes through it.
+
     def __init__(self, release: Callable[[_T], object]) -> None:
         self._lock = threading.Lock()
         self._release = release
@@ -87,10 +91,14 @@ class Waiter(Generic[_T]):
         ``wake`` runs on the granting thread, outside the waiter's lock, at most once; it
         usually calls :meth:`take` and hands the value on. Not called for a cancelled waiter.
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             state = self._state
             if state is PENDING:
                 self._wake = wake
+        finally:
+            lock.release()
         if state is GRANTED:
             wake()
 
@@ -100,13 +108,17 @@ class Waiter(Generic[_T]):
         Raises:
             RuntimeError: The waiter was granted before (a grant is one-shot).
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             state = self._state
             if state is PENDING:
                 self._state = GRANTED
                 self._value = value
                 wake = self._wake
                 self._wake = None
+        finally:
+            lock.release()
         if state is PENDING:
             if wake is not None:
                 wake()
@@ -121,12 +133,16 @@ class Waiter(Generic[_T]):
 
         None also when the waiter was cancelled: whoever cancelled it has released the value.
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._state is not GRANTED:
                 return None
             self._state = TAKEN
             value = self._value
             self._value = None
+        finally:
+            lock.release()
         return value
 
     def take_or_cancel(self) -> _T | None:
@@ -134,7 +150,9 @@ class Waiter(Generic[_T]):
 
         For a waiter whose time ran out: a grant that beat the deadline is used, not wasted.
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             state = self._state
             if state is GRANTED:
                 self._state = TAKEN
@@ -144,6 +162,8 @@ class Waiter(Generic[_T]):
             if state is PENDING:
                 self._state = CANCELLED
                 self._wake = None
+        finally:
+            lock.release()
         return None
 
     def cancel(self) -> int:
@@ -154,13 +174,17 @@ class Waiter(Generic[_T]):
         value had not been taken and was released here. :data:`TAKEN`: too late, the waiter's
         side owns the value and must release it itself. :data:`CANCELLED`: cancelled before.
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             state = self._state
             if state is PENDING or state is GRANTED:
                 self._state = CANCELLED
                 value = self._value
                 self._value = None
                 self._wake = None
+        finally:
+            lock.release()
         if state is GRANTED:
             self._release(value)  # type: ignore[arg-type]
         return state
@@ -192,14 +216,22 @@ class Waiter(Generic[_T]):
         self.bind(parked.release)
         if timeout is None:
             parked.acquire()
-        elif not parked.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
-            if expire is not None and not expire():
-                parked.acquire()  # decided before the deadline: its wake-up is on the way
-                return self.take()
+        elif (
+            not parked.acquire(timeout=min(timeout, threading.TIMEOUT_MAX))
+            and expire is not None
+            and not expire()
+        ):
+            parked.acquire()  # decided before the deadline: its wake-up is on the way
+            return self.take()
         return self.take_or_cancel()
 
     async def wait_async(
-        self, timeout: float | None = None, *, expire: Callable[[], bool] | None = None
+        self,
+        # A parameter, not the caller's asyncio.timeout(): at the deadline the wait may have to
+        # go on (``expire`` returned False), which a cancelling timeout cannot do.
+        timeout: float | None = None,  # noqa: ASYNC109
+        *,
+        expire: Callable[[], bool] | None = None,
     ) -> _T:
         """Suspend the running task until granted; cancelling the task cancels the waiter.
 

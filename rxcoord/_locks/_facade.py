@@ -73,6 +73,13 @@ class KeyedLocksStats:
     cancelled_total: int
 
 
+def _wait(timeout: float | None) -> float | None:
+    """A lock timeout, by the one validation policy (``check_wait``: None or inf wait forever,
+    0 is a try-lock; NaN, negatives, bools and non-numbers are refused)."""
+    # (acquire, hold_async and run inline this: None, the common case, then costs no call.)
+    return timeout if timeout is None else check_wait(timeout)
+
+
 def _check_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
     if isinstance(keys, str | bytes):
         raise TypeError(
@@ -102,7 +109,7 @@ class KeyedLocks(GrantTable):
             ...
         locks.acquire_all().subscribe(lambda lease: audit_then(lease.release))  # Rx
 
-    Guarantees (see the module docstring for the algorithm):
+    Guarantees (``rxcoord/_locks/_table.py`` explains the algorithm):
 
     * **Exclusion**: no two live leases cover the same key; a global lease coexists with no
       other lease.
@@ -183,7 +190,9 @@ class KeyedLocks(GrantTable):
             ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
         hash(key)
-        return self._observable((key,), check_wait(timeout), scheduler)
+        return self._observable(
+            (key,), timeout if timeout is None else check_wait(timeout), scheduler
+        )
 
     def acquire_many(
         self,
@@ -212,7 +221,7 @@ class KeyedLocks(GrantTable):
             ValueError: ``keys`` is empty, or ``timeout`` is negative or beyond
                 ``threading.TIMEOUT_MAX``.
         """
-        return self._observable(_check_keys(keys), check_wait(timeout), scheduler)
+        return self._observable(_check_keys(keys), _wait(timeout), scheduler)
 
     def acquire_all(
         self,
@@ -237,7 +246,7 @@ class KeyedLocks(GrantTable):
             TypeError: ``timeout`` is not a number.
             ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
-        return self._observable((), check_wait(timeout), scheduler)
+        return self._observable((), _wait(timeout), scheduler)
 
     # -- public API: blocking ----------------------------------------------------------------
 
@@ -284,7 +293,7 @@ class KeyedLocks(GrantTable):
         """
         lease = Lease(self, _check_keys(keys))
         lease._entered = True
-        lease._timeout = check_wait(timeout)
+        lease._timeout = _wait(timeout)
         return lease
 
     def hold_all(self, *, timeout: float | None = None) -> Lease:
@@ -297,7 +306,7 @@ class KeyedLocks(GrantTable):
         """
         lease = Lease(self, ())
         lease._entered = True
-        lease._timeout = check_wait(timeout)
+        lease._timeout = _wait(timeout)
         return lease
 
     # -- public API: asyncio -----------------------------------------------------------------
@@ -321,7 +330,7 @@ class KeyedLocks(GrantTable):
             LockTimeout: (from ``__aenter__``) not granted within ``timeout``.
         """
         hash(key)
-        return AsyncHold(self, (key,), check_wait(timeout))
+        return AsyncHold(self, (key,), timeout if timeout is None else check_wait(timeout))
 
     def hold_many_async(
         self, keys: Iterable[Hashable], *, timeout: float | None = None
@@ -335,7 +344,7 @@ class KeyedLocks(GrantTable):
                 ``threading.TIMEOUT_MAX``.
             LockTimeout: (from ``__aenter__``) not granted within ``timeout``.
         """
-        return AsyncHold(self, _check_keys(keys), check_wait(timeout))
+        return AsyncHold(self, _check_keys(keys), _wait(timeout))
 
     def hold_all_async(self, *, timeout: float | None = None) -> AsyncHold:
         """Asyncio form of :meth:`acquire_all`; see :meth:`hold_async`.
@@ -345,7 +354,7 @@ class KeyedLocks(GrantTable):
             ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
             LockTimeout: (from ``__aenter__``) not granted within ``timeout``.
         """
-        return AsyncHold(self, (), check_wait(timeout))
+        return AsyncHold(self, (), _wait(timeout))
 
     # -- public API: run under a lease -------------------------------------------------------
 
@@ -440,7 +449,7 @@ class KeyedLocks(GrantTable):
             ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
         hash(key)
-        return self._run((key,), fn, check_wait(timeout), scheduler)
+        return self._run((key,), fn, timeout if timeout is None else check_wait(timeout), scheduler)
 
     @overload
     def run_many(
@@ -494,7 +503,7 @@ class KeyedLocks(GrantTable):
             ValueError: ``keys`` is empty, or ``timeout`` is negative or beyond
                 ``threading.TIMEOUT_MAX``.
         """
-        return self._run(_check_keys(keys), fn, check_wait(timeout), scheduler)
+        return self._run(_check_keys(keys), fn, _wait(timeout), scheduler)
 
     @overload
     def run_all(
@@ -542,7 +551,7 @@ class KeyedLocks(GrantTable):
                 one (the lease).
             ValueError: ``timeout`` is negative or beyond ``threading.TIMEOUT_MAX``.
         """
-        return self._run((), fn, check_wait(timeout), scheduler)
+        return self._run((), fn, _wait(timeout), scheduler)
 
     # -- public API: misc --------------------------------------------------------------------
 

@@ -218,10 +218,12 @@ async def acquire_async(locks: KeyedLocks, lease: Lease, limit: float | None) ->
         elif locks._enqueue(lease):
             return lease
         else:
-            waiter = lease._waiter = new_waiter()
+            waiter = lease._waiter = Waiter(_release_unwanted)
     if busy:
         raise timeout_error(lease, 0)
     try:
+        if limit is None:
+            return await waiter.wait_async()
         return await waiter.wait_async(limit, expire=lambda: expire(lease, waiter))
     except TimeoutError:
         assert limit is not None
@@ -364,7 +366,7 @@ class Acquisition:
         self.timeout = timeout
         self.loop = loop
         self.timer: TimerHandle | None = None
-        self.waiter = new_waiter()
+        self.waiter: Waiter[Lease] = Waiter(_release_unwanted)
 
     def start(self) -> abc.DisposableBase:
         """Make the request (inside ``subscribe``); deliver at once if the keys are free."""
