@@ -490,4 +490,4 @@ def test_every_waiter_is_the_core_waiter() -> None:
 def _pending_leases(locks: KeyedLocks) -> list[Lease]:
     entry = locks._queues["a"]
     assert isinstance(entry, collections.deque)
-    return [lease for lease in entry if isinstance(lease, Lease) and lease.state == PENDING]
+    return [lease for lease in entry if isinstance(lease, Lease) and lease._state == PENDING]

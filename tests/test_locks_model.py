@@ -211,13 +211,13 @@ class GrantTableMachine(RuleBasedStateMachine):
         if self.table._enqueue(entry):
             self.granted.add(request)
         else:
-            assert entry.state == PENDING
+            assert entry._state == PENDING
 
     def _granted(self, grants: list[TableRequest] | None) -> None:
         for entry in grants or ():
             request = self.by_table[entry]
             assert request not in self.granted, "a grant reported twice"
-            assert entry.state == HELD
+            assert entry._state == HELD
             self.granted.add(request)
 
     @rule(key=st.sampled_from(KEYS))
@@ -240,7 +240,7 @@ class GrantTableMachine(RuleBasedStateMachine):
         self.granted.remove(request)
         entry = self.requests.pop(request)
         self._granted(self.table._take_out(entry))
-        assert entry.state == DONE
+        assert entry._state == DONE
 
     @precondition(lambda self: len(self.granted) < len(self.present))
     @rule(data=st.data())
@@ -249,7 +249,7 @@ class GrantTableMachine(RuleBasedStateMachine):
         self.present.remove(request)
         entry = self.requests.pop(request)
         self._granted(self.table._withdraw(entry))
-        assert entry.state == DONE
+        assert entry._state == DONE
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3))
     def probe(self, keys: list[str]) -> None:
@@ -265,7 +265,7 @@ class GrantTableMachine(RuleBasedStateMachine):
         expected = expected_granted(self.present)
         assert [r for r in self.present if r in self.granted] == expected
         for request in self.present:
-            state = self.requests[request].state
+            state = self.requests[request]._state
             assert state == (HELD if request in self.granted else PENDING)
 
     @invariant()

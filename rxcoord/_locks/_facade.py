@@ -1,20 +1,10 @@
 """The KeyedLocks facade: the public API over the grant table, the lease and the waiting side.
 
 KeyedLocks is an in-process lock manager: ownerless leases on keys, bulk and global requests,
-FIFO, no polling, no leaks, waited on by blocking, by asyncio and by Rx subscriptions. The
-package is laid out as the design is:
-
-* ``_table.py`` - the grant table: one rule (a request is granted exactly when no earlier
-  present request conflicts with it), per-key queues, segments and barriers; pure state, no
-  threads, no delivery (its docstring explains the algorithm);
-* ``_lease.py`` - the lease (a table request its holder carries) and the inlined uncontended
-  ``hold`` path;
-* ``_waiting.py`` - the waiting side: blocking, asyncio and Rx waiters (each one
-  ``rxcoord._core.waiter.Waiter``: a grant to a waiter that is gone is released, never lost),
-  trampolined delivery, the grant workers;
-* ``_run.py`` - ``run*``: call a job under a lease, release when its work has ended;
-* this module - :class:`KeyedLocks`, which validates arguments, owns the mutex that guards the
-  table, and wires the others together.
+FIFO, no polling, no leaks, waited on by blocking, by asyncio and by Rx subscriptions. This
+module validates the arguments, owns the mutex that guards the grant table (``_table.py``),
+and wires the lease, the waiting side and the job runner together (see the package docstring
+for the layout).
 """
 
 from __future__ import annotations

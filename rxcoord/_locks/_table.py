@@ -109,10 +109,8 @@ class Request:
         self._keys = keys
         self._state = NEW
 
-    @property
-    def state(self) -> int:
-        """:data:`NEW`, :data:`PENDING`, :data:`HELD` or :data:`DONE`."""
-        return self._state
+    # No public ``state`` property: Lease inherits from this class, and its public face is
+    # ``released`` (the states are the table's business).
 
 
 class _Segment:
