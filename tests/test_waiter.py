@@ -233,3 +233,12 @@ async def test_async_wait_with_a_timeout_still_gets_a_grant_in_time() -> None:
     waiter: Waiter[str] = Waiter(lambda _: None)
     asyncio.get_running_loop().call_soon(waiter.grant, "lease")
     assert await waiter.wait_async(30.0) == "lease"
+
+
+async def test_async_wait_granted_from_another_thread_wakes_the_loop() -> None:
+    # The same-loop wake-up skips the self-pipe; a grant from another thread still uses it.
+    waiter: Waiter[str] = Waiter(lambda _: None)
+    task = asyncio.ensure_future(waiter.wait_async())
+    await asyncio.sleep(0)
+    await asyncio.to_thread(waiter.grant, "lease")
+    assert await asyncio.wait_for(task, 10) == "lease"

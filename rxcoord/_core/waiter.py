@@ -251,7 +251,12 @@ class Waiter(Generic[_T]):
 
         def wake() -> None:
             try:
-                loop.call_soon_threadsafe(_resolve, future)
+                if asyncio._get_running_loop() is loop:
+                    # Granted by a task of the same loop (the common asyncio case): no
+                    # self-pipe write (a system call) is needed to wake it.
+                    loop.call_soon(_resolve, future)
+                else:
+                    loop.call_soon_threadsafe(_resolve, future)
             except RuntimeError:  # the loop is closed: nobody will take the value
                 self.cancel()
 
