@@ -81,14 +81,9 @@ __all__ = [
 
 
 def _release_unwanted(lease: Lease) -> None:
-    """A waiter's release callback: its lease was granted after (or as) the waiter left."""
+    """Every lease waiter's release callback: granted after (or as) the waiter left."""
     if lease._owner._release_if_held(lease):
         logger.debug("rxcoord: released {}: its waiter left before taking it", lease)
-
-
-def new_waiter() -> Waiter[Lease]:
-    """A waiter whose unwanted grant is released (the lease's keys are given back)."""
-    return Waiter(_release_unwanted)
 
 
 def withdraw(locks: KeyedLocks, lease: Lease) -> list[Request] | None:
@@ -181,7 +176,7 @@ def acquire_blocking(locks: KeyedLocks, lease: Lease, timeout: float | None) -> 
         elif locks._enqueue(lease):
             return lease
         else:
-            waiter = lease._waiter = new_waiter()
+            waiter = lease._waiter = Waiter(_release_unwanted)
     finally:
         mutex.release()
     if shared:
