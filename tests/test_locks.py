@@ -13,24 +13,20 @@ import concurrent.futures
 import dataclasses
 import gc
 import threading
-import time
 import tracemalloc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-import reactivex
-from locks_support import is_free
+from locks_support import WAIT, ManualTimer, Notifications, daemon, is_free, wait_for
 from loguru import logger
 from reactivex import Observable, abc
-from reactivex import operators as ops
-from reactivex.scheduler import NewThreadScheduler
 from reactivex.testing import TestScheduler
 
-from rxcoord import KeyedLocks, KeyedLocksStats, Lease, _locks
+from rxcoord import KeyedLocks, KeyedLocksStats, Lease
 from rxcoord._errors import LeaseReleasedError, LockTimeout, RxcoordError
-
-WAIT = 10.0  # generous bound for events that must happen; never reached when correct
+from rxcoord._locks import _waiting
 
 
 class Recorder(abc.ObserverBase[Lease]):
@@ -69,19 +65,6 @@ class Recorder(abc.ObserverBase[Lease]):
 def watch(source: Observable[Lease]) -> tuple[Recorder, abc.DisposableBase]:
     recorder = Recorder()
     return recorder, source.subscribe(recorder)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> None:
-    """Wait until another thread has reached a state (observed through ``stats()``).
-
-    Condition-based: returns as soon as the predicate holds; the bound only turns a bug into a
-    failure instead of a hang.
-    """
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while not predicate():
-        assert time.monotonic() < deadline, "state not reached"
-        pause.wait(0.0005)
 
 
 def in_thread(fn: Callable[[], object]) -> None:
@@ -306,6 +289,70 @@ def test_not_reentrant() -> None:
             locks.hold_all(timeout=0).__enter__()
     assert len(locks) == 0
     assert locks.stats().waiting == 0
+
+
+def test_a_hold_lease_shared_as_a_lock_refuses_a_second_entry() -> None:
+    locks = KeyedLocks()
+    shared = locks.hold("k")
+    inside, leave = threading.Event(), threading.Event()
+
+    def first_user() -> None:
+        with shared:
+            inside.set()
+            assert leave.wait(WAIT)
+
+    thread = daemon(first_user)
+    assert inside.wait(WAIT)
+    with pytest.raises(RuntimeError, match=r"call hold\(\) per use"):
+        shared.__enter__()  # the threading.Lock idiom: must not let a second thread in
+    assert not shared.released
+    leave.set()
+    thread.join(WAIT)
+    assert len(locks) == 0
+
+
+def test_a_hold_lease_entered_while_its_first_entry_waits_is_refused() -> None:
+    locks = KeyedLocks()
+    holder = locks.hold("k").__enter__()
+    shared = locks.hold("k")
+    entered = threading.Event()
+
+    def first_user() -> None:
+        with shared:
+            entered.set()
+
+    thread = daemon(first_user)
+    wait_for(lambda: locks.stats().waiting == 1)
+    with pytest.raises(RuntimeError, match=r"call hold\(\) per use"):
+        shared.__enter__()
+    assert locks.stats().waiting == 1  # the first entry's request is untouched
+    holder.release()
+    assert entered.wait(WAIT)
+    thread.join(WAIT)
+    assert len(locks) == 0
+
+
+def test_a_granted_lease_is_entered_once() -> None:
+    locks = KeyedLocks()
+    recorder = Notifications()
+    locks.acquire("a").subscribe(recorder)
+    lease: Lease = recorder.items[0]
+    with lease:
+        with pytest.raises(RuntimeError, match=r"per use"):
+            lease.__enter__()
+        assert not lease.released
+    assert lease.released
+    assert len(locks) == 0
+
+
+def test_reentering_a_hold_lease_after_release_still_says_released() -> None:
+    # Unchanged contract: a released lease is not entered again (LeaseReleasedError).
+    locks = KeyedLocks()
+    lease = locks.hold("a")
+    with lease:
+        pass
+    with pytest.raises(RuntimeError, match="already released"):
+        lease.__enter__()
 
 
 # -- 3. non-blocking waits ---------------------------------------------------------------------
@@ -547,6 +594,92 @@ def test_withdrawing_a_waiting_global_lets_the_requests_behind_it_through() -> N
     assert locks.stats().cancelled_total == 1
 
 
+class Payload:
+    """Something a subscriber's callback closes over."""
+
+
+def subscriber(payload: Payload) -> Callable[[Lease], None]:
+    return lambda lease: print(payload, lease)
+
+
+def test_disposed_requests_parked_behind_a_global_request_are_not_retained() -> None:
+    locks = KeyedLocks()
+    stuck = locks.hold("stuck").__enter__()  # a long operation ...
+    global_request = Notifications()
+    locks.acquire_all().subscribe(global_request)  # ... with a global request behind it
+    refs: list[weakref.ref[Payload]] = []
+    for i in range(200):
+        payload = Payload()
+        refs.append(weakref.ref(payload))
+        locks.acquire(("k", i)).subscribe(subscriber(payload)).dispose()
+    del payload
+    gc.collect()
+    assert [i for i, ref in enumerate(refs) if ref() is not None] == []  # nothing kept alive
+    assert len(locks) == 1
+    stuck.release()
+    assert global_request.done.is_set()
+    global_request.items[0].release()
+    assert len(locks) == 0
+
+
+def test_timed_out_requests_parked_behind_a_global_request_are_not_retained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timer = ManualTimer.install(monkeypatch)
+    locks = KeyedLocks()
+    stuck = locks.hold("stuck").__enter__()
+    global_request = Notifications()
+    locks.acquire_all().subscribe(global_request)
+    refs: list[weakref.ref[Payload]] = []
+    count = 50
+    timed_out = threading.Semaphore(0)
+    for i in range(count):
+        payload = Payload()
+        refs.append(weakref.ref(payload))
+        locks.acquire(("t", i), timeout=1).subscribe(
+            subscriber(payload), lambda e: timed_out.release()
+        )
+    del payload
+    assert timer.fire() == count  # every deadline passes at once
+    for _ in range(count):
+        assert timed_out.acquire(timeout=WAIT)
+    gc.collect()
+    # A worker thread may still hold the closure of the last job it ran (one per delivery
+    # worker, plus the timer thread's last callback): bounded, not growing with the requests.
+    assert len([ref for ref in refs if ref() is not None]) < 10
+    stuck.release()
+    global_request.items[0].release()
+    assert len(locks) == 0
+
+
+def test_withdrawing_parked_requests_keeps_the_others_in_order() -> None:
+    locks = KeyedLocks()
+    stuck = locks.hold("stuck").__enter__()
+    first_global = Notifications()
+    locks.acquire_all().subscribe(first_global)
+    order: list[int] = []
+
+    def take(i: int) -> Callable[[Lease], None]:
+        def on_next(lease: Lease) -> None:
+            order.append(i)
+            lease.release()
+
+        return on_next
+
+    subscriptions = [locks.acquire(("k", i)).subscribe(take(i)) for i in range(6)]
+    for i in (1, 4):
+        subscriptions[i].dispose()
+    second_global = Notifications()
+    second = locks.acquire_all().subscribe(second_global)
+    more = [locks.acquire(("m", i)).subscribe(lambda lease: lease.release()) for i in range(3)]
+    more[1].dispose()
+    second.dispose()  # merges the segment behind it into the parked one
+    stuck.release()
+    first_global.items[0].release()
+    assert order == [0, 2, 3, 5]
+    assert len(locks) == 0
+
+
 # -- 6. fairness ------------------------------------------------------------------------------
 
 
@@ -639,16 +772,16 @@ def test_a_lease_racing_with_disposal_is_delivered_not_dropped(
     # window: dispose() starts on another thread (marking the observer stopped) and is held
     # before it reaches KeyedLocks while the scheduled delivery runs. The lease must reach
     # on_next (the subscriber releases it) instead of vanishing with the key locked forever.
-    original = _locks._Acquisition.dispose
+    original = _waiting.Acquisition.dispose
     entered, proceed = threading.Event(), threading.Event()
 
-    def held_open(self: _locks._Acquisition) -> None:
+    def held_open(self: _waiting.Acquisition) -> None:
         if threading.current_thread().name == "disposer":
             entered.set()
             assert proceed.wait(WAIT)
         original(self)
 
-    monkeypatch.setattr(_locks._Acquisition, "dispose", held_open)
+    monkeypatch.setattr(_waiting.Acquisition, "dispose", held_open)
     locks = KeyedLocks()
     scheduler = TestScheduler()
     holder, _ = watch(locks.acquire("a"))
@@ -687,12 +820,16 @@ def test_acquire_timeout_errors_and_withdraws() -> None:
     assert len(locks) == 0
 
 
-def test_a_global_request_that_times_out_lets_the_requests_behind_it_through() -> None:
+def test_a_global_request_that_times_out_lets_the_requests_behind_it_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timer = ManualTimer.install(monkeypatch)
     locks = KeyedLocks()
     a, _ = watch(locks.acquire("a"))
-    everything, _ = watch(locks.acquire_all(timeout=0.02))
+    everything, _ = watch(locks.acquire_all(timeout=1))
     b, _ = watch(locks.acquire("b"))
     assert not b.granted
+    assert timer.fire() == 1
     assert everything.done.wait(WAIT)
     assert isinstance(everything.errors[0], LockTimeout)
     assert "global" in str(everything.errors[0])
@@ -705,12 +842,16 @@ def test_a_global_request_that_times_out_lets_the_requests_behind_it_through() -
     assert len(locks) == 0
 
 
-def test_acquire_timeout_error_is_delivered_on_the_scheduler() -> None:
+def test_acquire_timeout_error_is_delivered_on_the_scheduler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timer = ManualTimer.install(monkeypatch)
     locks = KeyedLocks()
     a, _ = watch(locks.acquire("a"))
     scheduler = TestScheduler()
-    waiter, _ = watch(locks.acquire("a", timeout=0.01, scheduler=scheduler))
-    wait_for(lambda: locks.stats().timeouts_total == 1)
+    waiter, _ = watch(locks.acquire("a", timeout=1, scheduler=scheduler))
+    assert timer.fire() == 1
+    assert locks.stats().timeouts_total == 1  # withdrawn by the timer callback itself
     assert not waiter.errors
 
     def delivered() -> bool:
@@ -722,11 +863,14 @@ def test_acquire_timeout_error_is_delivered_on_the_scheduler() -> None:
     a.lease.release()
 
 
-def test_a_grant_before_the_deadline_cancels_the_timeout() -> None:
+def test_a_grant_before_the_deadline_cancels_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = ManualTimer.install(monkeypatch)
     locks = KeyedLocks()
     a, _ = watch(locks.acquire("a"))
     waiter, _ = watch(locks.acquire("a", timeout=WAIT))
+    assert timer.pending == 1
     a.lease.release()
+    assert timer.pending == 0  # cancelled by the delivery
     assert waiter.granted
     assert waiter.completed
     assert not waiter.errors
@@ -824,162 +968,6 @@ def test_a_failing_subscriber_without_on_error_does_not_break_the_releaser() -> 
         logger.disable("rxcoord")
         logger.remove(sink)
     assert any("lease subscriber failed" in m for m in messages)
-
-
-# -- run ---------------------------------------------------------------------------------------
-
-
-def test_run_releases_before_emitting_a_plain_result() -> None:
-    locks = KeyedLocks()
-    seen: list[tuple[str, bool]] = []
-
-    def work() -> str:
-        seen.append(("in fn", is_free(locks, "a")))
-        return "done"
-
-    locks.run("a", work).subscribe(lambda v: seen.append((v, is_free(locks, "a"))))
-    assert seen == [("in fn", False), ("done", True)]
-    assert len(locks) == 0
-
-
-def test_run_keeps_the_lease_while_the_observable_runs() -> None:
-    locks = KeyedLocks()
-    seen: list[tuple[object, bool]] = []
-    source = reactivex.of(1, 2)
-    locks.run_many(["a", "b"], lambda: source).subscribe(
-        lambda v: seen.append((v, is_free(locks, "b"))),
-        on_completed=lambda: seen.append(("completed", is_free(locks, "b"))),
-    )
-    assert seen == [(1, False), (2, False), ("completed", True)]
-
-
-def test_run_waits_its_turn_and_reports_errors() -> None:
-    locks = KeyedLocks()
-    holder, _ = watch(locks.acquire("a"))
-    results: list[object] = []
-    errors: list[Exception] = []
-
-    def fail() -> None:
-        raise ValueError("job failed")
-
-    locks.run("a", lambda: "first").subscribe(results.append)
-    locks.run("a", fail).subscribe(on_error=errors.append)
-    locks.run_all(lambda: "global").subscribe(results.append)
-    assert results == []
-    holder.lease.release()
-    assert results == ["first", "global"]
-    assert [str(e) for e in errors] == ["job failed"]
-    assert len(locks) == 0
-
-
-def test_disposing_run_disposes_the_work_and_releases() -> None:
-    locks = KeyedLocks()
-    scheduler = TestScheduler()
-    disposed: list[bool] = []
-
-    def work() -> Observable[int]:
-        return reactivex.never().pipe(ops.finally_action(lambda: disposed.append(True)))
-
-    subscription = locks.run("a", work, scheduler=scheduler).subscribe()
-    assert len(locks) == 1  # granted, delivery waits for the scheduler
-    scheduler.advance_by(1)
-    assert not is_free(locks, "a")
-    subscription.dispose()
-    assert disposed == [True]
-    assert is_free(locks, "a")
-
-    holder, _ = watch(locks.acquire("a"))
-    waiting = locks.run("a", lambda: 1).subscribe()
-    waiting.dispose()  # withdrawn while waiting
-    holder.lease.release()
-    assert len(locks) == 0
-    assert locks.stats().cancelled_total == 1
-
-
-def test_disposing_run_while_fn_executes_keeps_the_lease_until_fn_returns() -> None:
-    locks = KeyedLocks()
-    entered, proceed = threading.Event(), threading.Event()
-    started: list[bool] = []
-    results: list[int] = []
-
-    def later() -> Observable[int]:
-        started.append(True)
-        return reactivex.of(1)
-
-    def fn() -> Observable[int]:
-        entered.set()
-        assert proceed.wait(WAIT)
-        return reactivex.defer(lambda _: later())
-
-    scheduler = NewThreadScheduler()
-    subscription = locks.run("a", fn, scheduler=scheduler).subscribe(results.append)
-    assert entered.wait(WAIT)
-    subscription.dispose()
-    assert not is_free(locks, "a")  # fn cannot be stopped, so it keeps its exclusion
-    proceed.set()
-    wait_for(lambda: is_free(locks, "a"))  # released as soon as fn returned
-    assert started == []  # what fn returned was not started after the disposal
-    assert results == []
-    assert len(locks) == 0
-
-
-def test_run_with_a_future() -> None:
-    locks = KeyedLocks()
-    future: concurrent.futures.Future[str] = concurrent.futures.Future()
-    results: list[str] = []
-    locks.run("a", lambda: future).subscribe(results.append)
-    assert not is_free(locks, "a")  # held until the future completes
-    future.set_result("value")
-    assert results == ["value"]
-    assert is_free(locks, "a")
-
-
-def test_run_with_a_coroutine_outside_an_event_loop_is_an_error() -> None:
-    locks = KeyedLocks()
-    errors: list[Exception] = []
-
-    async def job() -> int:
-        return 1
-
-    locks.run("a", job).subscribe(on_error=errors.append)
-    assert isinstance(errors[0], TypeError)
-    assert "event loop" in str(errors[0])
-    assert len(locks) == 0  # and the coroutine was closed: no "never awaited" warning
-
-
-def test_run_with_a_coroutine_in_a_loop() -> None:
-    locks = KeyedLocks()
-
-    async def main() -> int:
-        async def job() -> int:
-            await asyncio.sleep(0)
-            assert not is_free(locks, "a")
-            return 7
-
-        result: int = await locks.run("a", job)
-        return result
-
-    assert asyncio.run(main()) == 7
-    assert len(locks) == 0
-
-
-def test_run_timeout() -> None:
-    locks = KeyedLocks()
-    holder, _ = watch(locks.acquire("a"))
-    called: list[bool] = []
-    errors: list[Exception] = []
-    done = threading.Event()
-
-    def failed(error: Exception) -> None:
-        errors.append(error)
-        done.set()
-
-    locks.run("a", lambda: called.append(True), timeout=0.01).subscribe(on_error=failed)
-    assert done.wait(WAIT)
-    assert isinstance(errors[0], LockTimeout)
-    assert called == []
-    holder.lease.release()
-    assert len(locks) == 0
 
 
 # -- 8. no leak, stats -------------------------------------------------------------------------

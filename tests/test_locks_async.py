@@ -204,3 +204,42 @@ async def test_leases_are_returned_by_await_and_usable_as_context_managers() -> 
     with lease:
         assert not is_free(locks, "a")
     assert is_free(locks, "a")
+
+
+async def test_a_hold_async_context_manager_shared_by_two_tasks_refuses_the_second() -> None:
+    locks = KeyedLocks()
+    shared = locks.hold_async("k")
+    inside, leave = asyncio.Event(), asyncio.Event()
+
+    async def first_user() -> None:
+        async with shared:
+            inside.set()
+            await leave.wait()
+
+    async def second_user() -> None:
+        async with shared:
+            raise AssertionError("entered a context manager another task is inside")
+
+    first = asyncio.ensure_future(first_user())
+    await asyncio.wait_for(inside.wait(), WAIT)
+    with pytest.raises(RuntimeError, match=r"call hold_async\(\) per use"):
+        await asyncio.wait_for(second_user(), WAIT)
+    leave.set()
+    await asyncio.wait_for(first, WAIT)
+    assert len(locks) == 0
+    async with shared:  # one use at a time, as before: reusable once left
+        assert not is_free(locks, "k")
+    assert len(locks) == 0
+
+
+async def test_a_hold_async_context_manager_is_reusable_after_a_failed_entry() -> None:
+    locks = KeyedLocks()
+    holder = locks.hold("k").__enter__()
+    cm = locks.hold_async("k", timeout=0)
+    with pytest.raises(LockTimeout):
+        async with cm:
+            pass
+    holder.release()
+    async with cm as lease:
+        assert not lease.released
+    assert len(locks) == 0

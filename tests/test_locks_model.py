@@ -1,6 +1,10 @@
-"""KeyedLocks against a model of its one rule, driven by hypothesis.
+"""KeyedLocks against a model of its one rule, driven by hypothesis - twice.
 
-The rule (see ``rxcoord/_locks.py``): a request is granted exactly when no earlier *present*
+Once through the facade (Observables, try-locks, stats, as a user sees them) and once against
+the pure grant table directly (``rxcoord/_locks/_table.py``: enqueue, take out, withdraw, and
+the grants each transition returns), so a failure says which layer broke the rule.
+
+The rule (see ``rxcoord/_locks/_table.py``): a request is granted exactly when no earlier *present*
 request (granted and not released, or waiting) conflicts with it; two requests conflict when
 they share a key or either is global. So the set of granted requests is a pure function of the
 sequence of present requests, and after every step of any interleaving of requests (single, bulk
@@ -25,6 +29,8 @@ from reactivex import abc
 
 from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LeaseReleasedError, LockTimeout
+from rxcoord._locks._table import DONE, HELD, PENDING, GrantTable
+from rxcoord._locks._table import Request as TableRequest
 
 KEYS = ("a", "b", "c", "d", "e")
 
@@ -169,6 +175,126 @@ class KeyedLocksMachine(RuleBasedStateMachine):
 
 TestKeyedLocksModel = KeyedLocksMachine.TestCase
 TestKeyedLocksModel.settings = settings(
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# -- the grant table alone ------------------------------------------------------------------------
+
+
+class GrantTableMachine(RuleBasedStateMachine):
+    """The same model, checked against :class:`GrantTable` with no lock, thread or delivery.
+
+    A request counts as granted when ``_enqueue`` returned True or a later transition returned
+    it among its grants: each grant is reported exactly once, by the transition that made it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = GrantTable()
+        self.present: list[Request] = []
+        self.requests: dict[Request, TableRequest] = {}
+        self.granted: set[Request] = set()
+        self.by_table: dict[TableRequest, Request] = {}
+        self.numbers = itertools.count()
+
+    def _add(self, keys: list[str], is_global: bool) -> None:
+        request = Request(next(self.numbers), frozenset(keys), is_global)
+        # Keys in the caller's order, deduplicated (as KeyedLocks' _check_keys does).
+        entry = TableRequest(() if is_global else tuple(dict.fromkeys(keys)))
+        self.present.append(request)
+        self.requests[request] = entry
+        self.by_table[entry] = request
+        if self.table._enqueue(entry):
+            self.granted.add(request)
+        else:
+            assert entry._state == PENDING
+
+    def _granted(self, grants: list[TableRequest] | None) -> None:
+        for entry in grants or ():
+            request = self.by_table[entry]
+            assert request not in self.granted, "a grant reported twice"
+            assert entry._state == HELD
+            self.granted.add(request)
+
+    @rule(key=st.sampled_from(KEYS))
+    def request_one(self, key: str) -> None:
+        self._add([key], False)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4))
+    def request_many(self, keys: list[str]) -> None:
+        self._add(keys, False)
+
+    @rule()
+    def request_all(self) -> None:
+        self._add([], True)
+
+    @precondition(lambda self: bool(self.granted))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        request = data.draw(st.sampled_from([r for r in self.present if r in self.granted]))
+        self.present.remove(request)
+        self.granted.remove(request)
+        entry = self.requests.pop(request)
+        self._granted(self.table._take_out(entry))
+        assert entry._state == DONE
+
+    @precondition(lambda self: len(self.granted) < len(self.present))
+    @rule(data=st.data())
+    def withdraw(self, data: st.DataObject) -> None:
+        request = data.draw(st.sampled_from([r for r in self.present if r not in self.granted]))
+        self.present.remove(request)
+        entry = self.requests.pop(request)
+        self._granted(self.table._withdraw(entry))
+        assert entry._state == DONE
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3))
+    def probe(self, keys: list[str]) -> None:
+        # _can_grant_now (the try-lock's question) answers the model and changes nothing.
+        probe = Request(-1, frozenset(keys), not keys)
+        free = not any(r.conflicts(probe) for r in self.present)
+        before = len(self.table._queues)
+        assert self.table._can_grant_now(TableRequest(tuple(keys))) == free
+        assert len(self.table._queues) == before
+
+    @invariant()
+    def grants_follow_the_rule(self) -> None:
+        expected = expected_granted(self.present)
+        assert [r for r in self.present if r in self.granted] == expected
+        for request in self.present:
+            state = self.requests[request]._state
+            assert state == (HELD if request in self.granted else PENDING)
+
+    @invariant()
+    def state_matches_the_model(self) -> None:
+        keys = set().union(*(r.keys for r in self.present))
+        assert set(self.table._queues) == keys  # no key without a present request: no leak
+        counts = self.table._counts()
+        assert counts.keys == len(keys)
+        assert counts.held == len(self.granted)
+        assert counts.waiting == len(self.present) - len(self.granted)
+        assert counts.global_held == any(r.is_global for r in self.granted)
+        assert counts.global_waiting == sum(
+            r.is_global and r not in self.granted for r in self.present
+        )
+
+    def teardown(self) -> None:
+        while self.present:
+            granted = [r for r in self.present if r in self.granted]
+            assert granted
+            for request in granted:
+                self.present.remove(request)
+                self.granted.remove(request)
+                self._granted(self.table._take_out(self.requests.pop(request)))
+        assert not self.table._queues
+        assert self.table._first is self.table._tail  # no segment left behind
+
+
+TestGrantTableModel = GrantTableMachine.TestCase
+TestGrantTableModel.settings = settings(
     max_examples=300,
     stateful_step_count=40,
     deadline=None,

@@ -152,3 +152,93 @@ def test_exactly_one_of_taken_or_released(order: list[str], threaded: bool) -> N
         for name in order:
             step(name)
     assert len(taken) + len(released) == 1
+
+
+# -- deadlines with an owner's say: expire() ------------------------------------------------------
+
+
+def test_blocking_wait_expire_true_gives_up_and_a_late_grant_is_released() -> None:
+    released: list[str] = []
+    waiter: Waiter[str] = Waiter(released.append)
+    asked: list[bool] = []
+
+    def expire() -> bool:
+        asked.append(True)
+        return True  # the owner withdrew the request
+
+    assert waiter.wait(timeout=0.0, expire=expire) is None
+    assert asked == [True]
+    assert waiter.state == CANCELLED
+    assert not waiter.grant("late")
+    assert released == ["late"]
+
+
+def test_blocking_wait_expire_false_waits_for_the_grant_on_its_way() -> None:
+    released: list[str] = []
+    waiter: Waiter[str] = Waiter(released.append)
+    granter = threading.Thread(target=waiter.grant, args=("lease",))
+
+    def expire() -> bool:
+        granter.start()  # the owner decided the grant before the deadline; it arrives later
+        return False
+
+    assert waiter.wait(timeout=0.0, expire=expire) == "lease"
+    granter.join()
+    assert waiter.state == TAKEN
+    assert released == []
+
+
+def test_blocking_wait_expire_is_not_asked_when_the_grant_came_in_time() -> None:
+    waiter: Waiter[str] = Waiter(lambda _: None)
+    waiter.grant("lease")
+    assert waiter.wait(timeout=0.0, expire=lambda: pytest.fail("asked")) == "lease"
+
+
+async def test_async_wait_timeout_raises_and_cancels() -> None:
+    released: list[str] = []
+    waiter: Waiter[str] = Waiter(released.append)
+    with pytest.raises(TimeoutError):
+        await waiter.wait_async(0.0)
+    assert waiter.state == CANCELLED
+    assert not waiter.grant("late")
+    assert released == ["late"]
+
+
+async def test_async_wait_expire_false_waits_for_the_grant_on_its_way() -> None:
+    released: list[str] = []
+    waiter: Waiter[str] = Waiter(released.append)
+    loop = asyncio.get_running_loop()
+
+    def expire() -> bool:
+        loop.call_soon(waiter.grant, "lease")  # decided; the hand-over comes a moment later
+        return False
+
+    assert await waiter.wait_async(0.0, expire=expire) == "lease"
+    assert released == []
+
+
+async def test_async_wait_expire_true_raises_timeout() -> None:
+    waiter: Waiter[str] = Waiter(lambda _: None)
+
+    def expire() -> bool:
+        waiter.cancel()  # the owner withdrew the request and cancelled the waiter
+        return True
+
+    with pytest.raises(TimeoutError):
+        await waiter.wait_async(0.0, expire=expire)
+    assert waiter.state == CANCELLED
+
+
+async def test_async_wait_with_a_timeout_still_gets_a_grant_in_time() -> None:
+    waiter: Waiter[str] = Waiter(lambda _: None)
+    asyncio.get_running_loop().call_soon(waiter.grant, "lease")
+    assert await waiter.wait_async(30.0) == "lease"
+
+
+async def test_async_wait_granted_from_another_thread_wakes_the_loop() -> None:
+    # The same-loop wake-up skips the self-pipe; a grant from another thread still uses it.
+    waiter: Waiter[str] = Waiter(lambda _: None)
+    task = asyncio.ensure_future(waiter.wait_async())
+    await asyncio.sleep(0)
+    await asyncio.to_thread(waiter.grant, "lease")
+    assert await asyncio.wait_for(task, 10) == "lease"
