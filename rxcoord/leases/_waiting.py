@@ -199,9 +199,7 @@ class Waits:
         """A wait, not started yet; bind to its ``waiter`` first, then :meth:`start` it."""
         if deadline is None and timeout is not None:
             deadline = monotonic() + timeout
-        return LeaseWait(
-            self, name, most, least, timeout, skip_taken=skip_taken, deadline=deadline
-        )
+        return LeaseWait(self, name, most, least, timeout, skip_taken=skip_taken, deadline=deadline)
 
     def start(self, wait: LeaseWait) -> None:
         """Make the first attempt on a worker, then wait as needed."""
@@ -210,6 +208,8 @@ class Waits:
 
     def first_attempt(self, wait: LeaseWait) -> None:
         """Make the first attempt on the calling thread, then wait as needed."""
+        if wait.settled:  # withdrawn before it started (disposed early): no round trip
+            return
         try:
             result = self._provider._attempt(wait.name, wait.most, wait.least)
         except Exception as exc:
