@@ -262,17 +262,11 @@ class LeaseProvider(Closeable):
         if isinstance(result, float):
             if wait == 0:
                 raise self._timeout_error(name, wait)
-            # Then the one waiting state machine (see _waiting.py), this thread parked on the
-            # wait's Waiter: its own deadline timer, not this thread, ends it with LockTimeout.
+            # Then the one waiting state machine (see _waiting.py), this thread parked until
+            # the wait's Waiter is granted: its own deadline timer, not this thread, ends it
+            # with LockTimeout. Interrupted (KeyboardInterrupt), nothing stays granted.
             pending = self._waits.new(name, most, least, wait, deadline=deadline)
-            self._waits.proceed(pending, result)
-            try:
-                outcome = pending.waiter.wait()
-            except BaseException:  # interrupted (KeyboardInterrupt): nothing stays granted
-                self._waits.leave(pending)
-                raise
-            assert outcome is not None  # waited without a timeout: only a grant wakes it
-            result = _lease_or_raise(outcome)
+            result = _lease_or_raise(self._waits.wait_blocking(pending, result))
         if keep_alive:
             _start_keep_alive(result)
         return result

@@ -106,6 +106,7 @@ class LeaseWait:
         "most",
         "name",
         "queue",
+        "runner",
         "settled",
         "skip_taken",
         "timeout",
@@ -135,7 +136,55 @@ class LeaseWait:
         self.waiter: Waiter[Outcome] = Waiter(waits._release_unwanted)
         self.queue: _NameQueue | None = None
         self.timer: TimerHandle | None = None
+        self.runner: _OwnThread | None = None  # a blocking waiter's own thread
         self.settled = False  # under Waits._lock: an outcome was decided (or the wait withdrawn)
+
+
+class _OwnThread:
+    """A blocking waiter's parked thread, which also runs its queue's attempts while head.
+
+    The thread is parked anyway (its caller chose to block); running the round trip there
+    instead of on a worker saves a thread hand-off on the release-to-grant path. The thread
+    wakes for a job or for the grant (a binary semaphore: wake-ups merge, and after each the
+    thread looks at both). Jobs offered after :meth:`close` are refused and go to the workers;
+    jobs offered before it and not run are returned by it, for the workers.
+    """
+
+    __slots__ = ("_closed", "_jobs", "_lock", "_parked")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: list[Callable[[], None]] = []
+        self._closed = False
+        self._parked = threading.Lock()
+        self._parked.acquire()
+
+    def offer(self, job: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._jobs.append(job)
+        self.wake()
+        return True
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._parked.locked():
+                self._parked.release()
+
+    def park(self) -> None:
+        self._parked.acquire()
+
+    def jobs(self) -> list[Callable[[], None]]:
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        return jobs
+
+    def close(self) -> list[Callable[[], None]]:
+        with self._lock:
+            self._closed = True
+            jobs, self._jobs = self._jobs, []
+        return jobs
 
 
 class _NameQueue:
@@ -226,6 +275,32 @@ class Waits:
             self._settle(wait, Failure(taken))
         else:
             self._enqueue(wait, result)
+
+    def wait_blocking(self, wait: LeaseWait, result: DistributedLease | float) -> Outcome:
+        """Go on from the caller's failed first attempt, parking the caller's thread.
+
+        The same state machine as every other form; the parked thread also runs its queue's
+        attempts while it is the head (see :class:`_OwnThread`). Interrupted, the wait is
+        left (nothing stays granted) and attempts handed to this thread go to the workers.
+        """
+        runner = wait.runner = _OwnThread()
+        wait.waiter.bind(runner.wake)
+        try:
+            self.proceed(wait, result)
+            while True:
+                runner.park()
+                for job in runner.jobs():
+                    job()
+                outcome = wait.waiter.take()
+                if outcome is not None:
+                    return outcome
+        except BaseException:
+            self.leave(wait)
+            raise
+        finally:
+            for job in runner.close():  # offered just before we left: the workers run them
+                if not self._submit(job):
+                    job()
 
     def leave(self, wait: LeaseWait) -> None:
         """The waiter's side gives up (disposed, cancelled, interrupted); idempotent.
@@ -422,7 +497,14 @@ class Waits:
         self._settle(wait, Failure(self._timeout_error(wait)))
 
     def _submit_attempt(self, queue: _NameQueue) -> None:
-        if not self._submit(partial(self._attempt, queue)):
+        job = partial(self._attempt, queue)
+        with self._lock:
+            head = next(iter(queue.waits), None)
+        # A blocking head runs its queue's attempt on its own parked thread: one thread wake
+        # from the notification to the round trip, as without the queue.
+        if head is not None and head.runner is not None and head.runner.offer(job):
+            return
+        if not self._submit(job):
             with self._lock:
                 queue.attempting = False  # closing: close() fails the waiters
 
@@ -439,6 +521,13 @@ class Waits:
             result = self._provider._attempt(queue.name, head.most, head.least)
         except Exception as exc:
             result = Failure(exc)
+        except BaseException:
+            # Interrupted (KeyboardInterrupt on a blocking head's own thread): the queue must
+            # not stay "attempting" forever; its attempt goes to the next runner or a worker.
+            with self._lock:
+                queue.attempting = False
+            self._wake(queue)
+            raise
         winner: LeaseWait | None = None
         unwanted: DistributedLease | None = None
         submit = False

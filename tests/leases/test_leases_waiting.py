@@ -20,6 +20,7 @@ from reactivex.disposable import Disposable
 from reactivex.scheduler.scheduler import Scheduler
 
 import rxcoord.leases._base as base_module
+from rxcoord._core.waiter import Waiter
 from rxcoord.leases import (
     DistributedLease,
     LeaseProvider,
@@ -29,7 +30,6 @@ from rxcoord.leases import (
     MemoryLeaseStore,
 )
 from rxcoord.leases._notify import WaitHub, Watch
-from rxcoord.leases._waiting import Waits
 
 from .conftest import Backend, wait_until
 
@@ -349,7 +349,13 @@ def test_a_waiter_leaving_while_its_queue_registers_unregisters_it(
 def _hold_granting_attempts(
     leases: LeaseProvider,
 ) -> tuple[threading.Event, threading.Event]:
-    """From now on, an attempt that grants stops before returning until ``proceed``."""
+    """From now on, an attempt that grants stops before returning until ``proceed``.
+
+    For one waiter of a MemoryLeases: first its attempts so far are over (the failed first
+    try and the retry its registration makes), so that none of them is still under way when
+    the name frees.
+    """
+    wait_until(lambda: leases.stats().busy >= 2, what="the waiter's attempts so far")
     granted, proceed = threading.Event(), threading.Event()
     attempt = leases._attempt
 
@@ -364,31 +370,93 @@ def _hold_granting_attempts(
     return granted, proceed
 
 
-def test_a_grant_arriving_after_the_timeout_is_released(name: str) -> None:
+@pytest.mark.parametrize("form", ["acquire", "acquire_rx"])
+def test_a_grant_arriving_after_the_timeout_is_released(name: str, form: str) -> None:
     store = MemoryLeaseStore()
     with MemoryLeases(store) as holder_side, MemoryLeases(store) as leases:
         holder = holder_side.acquire(name, 60.0)
         outcome: list[object] = []
+        finished = threading.Event()
 
         def wait() -> None:
             try:
                 outcome.append(leases.acquire(name, 30.0, timeout=0.5))
             except LockTimeout as exc:
                 outcome.append(exc)
+            finished.set()
 
-        waiter = threading.Thread(target=wait)
-        waiter.start()
+        def failed(error: Exception) -> None:
+            outcome.append(error)
+            finished.set()
+
+        if form == "acquire":
+            threading.Thread(target=wait, daemon=True).start()
+        else:
+            leases.acquire_rx(name, 30.0, timeout=0.5).subscribe(outcome.append, failed)
         wait_until(lambda: leases.stats().waiting == 1)
         granted, proceed = _hold_granting_attempts(leases)
         holder.release()
         assert granted.wait(10)  # the store granted it; the attempt has not returned yet
-        waiter.join(10)  # meanwhile the waiter's deadline passed
-        assert isinstance(outcome[0], LockTimeout), outcome
+        # Meanwhile the waiter's deadline passes: its timer settles the wait (LockTimeout).
+        wait_until(lambda: leases.stats().waiting == 0, what="the deadline")
+        if form == "acquire_rx":  # delivered at once, the round trip still in flight
+            assert finished.wait(10)
         proceed.set()
+        # The blocking waiter ran the attempt on its own thread: it returns after it.
+        assert finished.wait(10)
+        assert isinstance(outcome[0], LockTimeout), outcome
         wait_until(lambda: leases.stats().held == 0, what="the late grant's release")
         lease = holder_side.try_acquire(name, 5.0)
         assert lease is not None
         lease.release()
+
+
+def test_an_interrupted_blocking_waiter_leaves_its_queue_working(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    # A KeyboardInterrupt inside the attempt a blocking head runs on its own thread: the wait
+    # is left, and the queue's next waiter still gets the lease (its attempt goes elsewhere).
+    store = MemoryLeaseStore()
+    with MemoryLeases(store) as holder_side, MemoryLeases(store) as leases:
+        holder = holder_side.acquire(name, 60.0)
+        outcome: list[object] = []
+
+        def first() -> None:
+            try:
+                outcome.append(leases.acquire(name, 30.0))
+            except KeyboardInterrupt as exc:
+                outcome.append(exc)
+
+        interrupted = threading.Thread(target=first, daemon=True)
+        interrupted.start()
+        wait_until(lambda: leases.stats().waiting == 1)
+        got: list[DistributedLease] = []
+        received = threading.Event()
+
+        def on_next(lease: DistributedLease) -> None:
+            got.append(lease)
+            received.set()
+
+        leases.acquire_rx(name, 30.0).subscribe(on_next)
+        wait_until(lambda: leases.stats().waiting == 2)
+        # Every attempt so far is over: two tries and the registration's retry.
+        wait_until(lambda: leases.stats().busy >= 3)
+        attempt = leases._attempt
+        me = interrupted.ident
+
+        def interrupt_once(*args: Any) -> DistributedLease | float:
+            if threading.get_ident() == me:
+                raise KeyboardInterrupt
+            return attempt(*args)
+
+        setattr(leases, "_attempt", interrupt_once)  # noqa: B010  (an instance attribute)
+        holder.release()
+        interrupted.join(10)
+        assert isinstance(outcome[0], KeyboardInterrupt), outcome
+        assert received.wait(10), "the queue stalled after the interrupt"
+        assert got[0].held
+        got[0].release()
+        wait_until(lambda: leases.stats().waiting == 0 and leases.stats().held == 0)
 
 
 # -- cancel vs grant --------------------------------------------------------------------------
@@ -432,13 +500,15 @@ async def test_a_task_cancelled_after_its_grant_arrived_leaks_nothing(
         task = asyncio.create_task(leases.acquire_async(name, 30.0))
         await until(lambda: leases.stats().waiting == 1)
         decided = threading.Event()
-        attempt = Waits._attempt
+        grant = Waiter.grant
 
-        def attempt_then_signal(self: Waits, queue: Any) -> None:
-            attempt(self, queue)  # grants: the task's wake-up is now queued on the loop
-            decided.set()
+        def grant_then_signal(self: Waiter[Any], value: Any) -> bool:
+            granted = grant(self, value)  # the task's wake-up is now queued on the loop
+            if isinstance(value, DistributedLease):
+                decided.set()
+            return granted
 
-        monkeypatch.setattr(Waits, "_attempt", attempt_then_signal)
+        monkeypatch.setattr(Waiter, "grant", grant_then_signal)
 
         def cancel_once_granted() -> None:
             # On the loop, ahead of the queued wake-up: the loop waits for the grant here.
