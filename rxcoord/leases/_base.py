@@ -138,7 +138,6 @@ class LeaseProvider(Closeable):
                 guarantee a wake-up on release.
         """
         self._hub = hub
-        self._poll_min, self._poll_max = poll
         self._lock = threading.Lock()
         self._state: ProviderState = _OPEN
         self._held: set[DistributedLease] = set()

@@ -21,7 +21,9 @@ for the queue's head. What wakes a queue, whichever comes first:
 
 A waiter's own timeout is a timer of its own. Timers run on rxcoord's one timer thread and only
 *schedule*: the round trip runs on the provider's :class:`WorkerPool`, a constant number of
-threads per provider whatever the number of waiters. The same store state answers every waiter
+threads per provider whatever the number of waiters, or, when the queue's head is a blocking
+``acquire``, on that caller's own parked thread (one thread wake-up from the notification to
+the round trip). The same store state answers every waiter
 of a name alike, so one attempt per queue loses nothing, and a release costs one round trip per
 provider instead of one per waiter (no thundering herd).
 
@@ -218,7 +220,8 @@ class Waits:
     """The waiting machinery of one provider: name queues, timers and a bounded worker pool.
 
     Threads: at most :data:`WORKERS` pool threads, started on first use and stopped by
-    :meth:`close`; timers use rxcoord's one shared timer thread. Outcomes are handed over
+    :meth:`close`; timers use rxcoord's one shared timer thread; blocking callers lend their
+    own parked threads (:class:`_OwnThread`). Outcomes are handed over
     through each wait's Waiter on the thread that decided them (a worker, the timer thread, the
     closing thread), whose wake-up must therefore be short: unpark a thread, resolve a future
     via ``call_soon_threadsafe``, or hand a delivery to a thread of its own.
