@@ -343,7 +343,9 @@ class LeaseProvider(Closeable):
         def subscribe(
             observer: abc.ObserverBase[_R], scheduler_: abc.SchedulerBase | None = None
         ) -> abc.DisposableBase:
-            pending = self._waits.new(name, most, least, wait_for if wait else 0.0, skip_taken=True)
+            pending = self._waits.new(
+                name, most, least, wait_for if wait else 0.0, skip_taken=not wait
+            )
 
             def action() -> None:
                 outcome = pending.waiter.take()

@@ -608,3 +608,33 @@ def test_waiting_after_close_fails_at_once(name: str) -> None:
     leases.acquire_rx(name, 5.0).subscribe(on_error=errors.append)
     wait_until(lambda: bool(errors))
     assert isinstance(errors[0], LeaseProviderClosed)
+
+
+def test_zero_timeouts_try_once_and_say_so(name: str) -> None:
+    # timeout=0 tries once: LockTimeout when waiting was asked for, empty when it was not.
+    store = MemoryLeaseStore()
+    with MemoryLeases(store) as holder_side, MemoryLeases(store) as leases:
+        holder = holder_side.acquire(name, 60.0)
+        outcomes: list[object] = []
+        done = threading.Semaphore(0)
+
+        def record(value: object) -> None:
+            outcomes.append(value)
+            done.release()
+
+        leases.run(name, lambda _: 1, wait=True, timeout=0).subscribe(
+            record, record, lambda: record("empty")
+        )
+        assert done.acquire(timeout=10)
+        leases.run(name, lambda _: 1).subscribe(record, record, lambda: record("empty"))
+        assert done.acquire(timeout=10)
+        leases.acquire_rx(name, timeout=0).subscribe(record, record, lambda: record("empty"))
+        assert done.acquire(timeout=10)
+        leases.acquire_rx(name, wait=False).subscribe(record, record, lambda: record("empty"))
+        assert done.acquire(timeout=10)
+        with pytest.raises(LockTimeout):
+            leases.acquire(name, timeout=0)
+        kinds = [type(o).__name__ if not isinstance(o, str) else o for o in outcomes]
+        assert kinds == ["LockTimeout", "empty", "LockTimeout", "empty"]
+        assert leases.stats().waiting == 0
+        holder.release()
