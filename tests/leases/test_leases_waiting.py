@@ -10,6 +10,7 @@ where the race lives, and the only bounded waits tell "it happened" from "it hun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -638,3 +639,104 @@ def test_zero_timeouts_try_once_and_say_so(name: str) -> None:
         assert kinds == ["LockTimeout", "empty", "LockTimeout", "empty"]
         assert leases.stats().waiting == 0
         holder.release()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_mixed_waiters_leaving_at_random_keep_every_invariant(seed: int) -> None:
+    # Blocking, Rx and asyncio waiters on a few names, timing out, disposed and cancelled at
+    # random moments while grants fly: never two holders of a name, nothing held or waiting at
+    # the end, every hub registration gone.
+    import random
+
+    rng = random.Random(seed)
+    names = [f"mixed-{seed}-{i}" for i in range(3)]
+    store = MemoryLeaseStore()
+    with MemoryLeases(store) as leases:
+        holders = dict.fromkeys(names, 0)
+        overlaps: list[str] = []
+        lock = threading.Lock()
+        ended = threading.Semaphore(0)
+
+        def use(lease: DistributedLease) -> None:
+            with lock:
+                holders[lease.name] += 1
+                if holders[lease.name] > 1:
+                    overlaps.append(lease.name)
+            with lock:
+                holders[lease.name] -= 1
+            lease.release()
+
+        def blocking(name: str, timeout: float) -> None:
+            with contextlib.suppress(LockTimeout):
+                use(leases.acquire(name, 5.0, timeout=timeout))
+            ended.release()
+
+        def rx(name: str, timeout: float, dispose_after: float | None) -> None:
+            finished = threading.Event()
+
+            def on_next(lease: DistributedLease) -> None:
+                use(lease)
+
+            subscription = leases.acquire_rx(name, 5.0, timeout=timeout).subscribe(
+                on_next, lambda _: finished.set(), finished.set
+            )
+            if dispose_after is not None and not finished.wait(dispose_after):
+                subscription.dispose()
+            else:
+                finished.wait(30)
+            ended.release()
+
+        async def task(name: str, wait_for: float, cancel_after: float | None) -> None:
+            async def take() -> None:
+                async with leases.lock_async(name, 5.0, timeout=wait_for) as lease:
+                    with lock:
+                        holders[lease.name] += 1
+                        if holders[lease.name] > 1:
+                            overlaps.append(lease.name)
+                    try:
+                        await asyncio.sleep(0)  # a cancellation may land here, under the lease
+                    finally:
+                        with lock:
+                            holders[lease.name] -= 1
+
+            running = asyncio.ensure_future(take())
+            if cancel_after is not None:
+                await asyncio.wait([running], timeout=cancel_after)
+                running.cancel()
+            with contextlib.suppress(asyncio.CancelledError, LockTimeout):
+                await running
+
+        plans = [
+            (rng.choice(names), rng.choice([0.0, 0.05, 2.0]), rng.choice([None, 0.0, 0.01]))
+            for _ in range(40)
+        ]
+
+        def tasks() -> None:
+            async def main() -> None:
+                await asyncio.gather(*(task(*plan) for plan in plans))
+
+            asyncio.run(main())
+            for _ in plans:
+                ended.release()
+
+        threads = [threading.Thread(target=tasks)]
+        for _ in range(60):
+            name, timeout = rng.choice(names), rng.choice([0.0, 0.02, 0.1, 2.0])
+            if rng.random() < 0.5:
+                threads.append(threading.Thread(target=blocking, args=(name, timeout)))
+            else:
+                dispose = rng.choice([None, 0.0, 0.005, 0.03])
+                threads.append(threading.Thread(target=rx, args=(name, timeout, dispose)))
+        for thread in threads:
+            thread.start()
+        for _ in range(60 + len(plans)):
+            assert ended.acquire(timeout=60)
+        for thread in threads:
+            thread.join(30)
+        assert overlaps == []
+        wait_until(lambda: _quiet(leases), 10.0, "nothing held, nobody waiting")
+        assert leases._hub.waiting() == 0
+        for name in names:
+            lease = leases.try_acquire(name, 5.0)
+            assert lease is not None
+            lease.release()
