@@ -641,8 +641,8 @@ def test_zero_timeouts_try_once_and_say_so(name: str) -> None:
         holder.release()
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_mixed_waiters_leaving_at_random_keep_every_invariant(seed: int) -> None:
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mixed_waiters_leaving_at_random_keep_every_invariant(backend: Backend, seed: int) -> None:
     # Blocking, Rx and asyncio waiters on a few names, timing out, disposed and cancelled at
     # random moments while grants fly: never two holders of a name, nothing held or waiting at
     # the end, every hub registration gone.
@@ -650,8 +650,7 @@ def test_mixed_waiters_leaving_at_random_keep_every_invariant(seed: int) -> None
 
     rng = random.Random(seed)
     names = [f"mixed-{seed}-{i}" for i in range(3)]
-    store = MemoryLeaseStore()
-    with MemoryLeases(store) as leases:
+    with backend.new() as leases:
         holders = dict.fromkeys(names, 0)
         overlaps: list[str] = []
         lock = threading.Lock()
