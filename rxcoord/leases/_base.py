@@ -11,33 +11,35 @@ store allows (Redis: one Lua script; PostgreSQL: one statement):
 * ``_store_release(name, token) -> bool``: same condition; the name stays taken until
   ``at_least_for`` after the grant; notifies waiters.
 
-Everything else lives here once: argument validation, the waiting loop, ``lock()``, keep-alive,
-``run()`` (ShedLock's executor as an Observable), ``acquire_rx`` and the asyncio forms, the
-lifecycle (open -> closing -> closed) and statistics.
+Everything else lives here once: argument validation, ``lock()``, keep-alive, ``run()``
+(ShedLock's executor as an Observable), ``acquire_rx`` and the asyncio forms, the lifecycle
+(open -> closing -> closed) and statistics.
 
-The waiting loop never polls a store that can notify. It sleeps until the earliest of: a release
-notification for the name, the expiry time the store reported for the current holder (so a
-crashed holder's lease is picked up when it lapses, with no notification at all), and the
-caller's timeout. Only while the store's subscription is not confirmed yet (or never can be:
-SQLite) does it poll, with exponential backoff.
+Waiting is one state machine for every form (``_waiting.py``), with no thread per waiter: a
+waiting acquisition is a small object in its name's queue, woken by a release notification,
+by the expiry time the store reported for the current holder (a crashed holder's lease is
+picked up when it lapses, with no notification at all), by its own timeout, and only while the
+store's subscription is not confirmed yet (or never can be: SQLite) by polling with backoff.
+Its grant is handed over through the core :class:`~rxcoord._core.waiter.Waiter`, whose one
+rule (a grant to a waiter that is gone is released, never lost) covers dispose, timeout, task
+cancellation and close racing with the grant.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from time import monotonic
-from typing import Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from loguru import logger
 from reactivex import Observable, abc
-from reactivex.disposable import CompositeDisposable, Disposable
+from reactivex.disposable import Disposable
 from reactivex.internal.exceptions import SequenceContainsNoElementsError
-from reactivex.scheduler import NewThreadScheduler
+from reactivex.observer import AutoDetachObserver
 
 from rxcoord._core.futures import AwaitableObservable, last_value
 from rxcoord._core.lifecycle import Closeable
@@ -45,8 +47,9 @@ from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTime
 
 from ._background import Background
 from ._lease import DistributedLease
-from ._notify import WaitHub, Watch
+from ._notify import WaitHub
 from ._validate import check_lease_args, check_timeout
+from ._waiting import Failure, LeaseWait, Outcome, Waits
 
 __all__ = ["LeaseProvider", "LeaseProviderStats"]
 
@@ -56,9 +59,6 @@ _OPEN: Final = "open"
 _CLOSING: Final = "closing"
 _CLOSED: Final = "closed"
 ProviderState = Literal["open", "closing", "closed"]
-
-# Wake this long after the reported expiry, so the store surely sees the lease as expired.
-_EXPIRY_SLACK: Final = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,52 +96,6 @@ class LeaseProviderStats:
     reconnects: int
 
 
-class _Cancel:
-    """Cancels one waiting acquisition (used when a subscription is disposed).
-
-    It also decides who owns a lease emitted while the subscription is being disposed. Reactive
-    observers drop values once disposed (``AutoDetachObserver`` marks itself stopped *before* it
-    disposes our subscription, and operators such as ``timeout`` stop forwarding before they
-    dispose upstream), so a lease emitted concurrently with a disposal from another thread may
-    reach nobody. The rule: the subscriber owns the lease only if the subscription was not
-    disposed before the delivery began, nor from another thread before it ended. A disposal on
-    the delivering thread itself (``take(1)``, ``first()`` completing downstream) comes after
-    the lease was received and leaves it to the subscriber.
-    """
-
-    __slots__ = ("_by", "_lock", "_watch", "cancelled")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._watch: Watch | None = None
-        self._by = 0  # the thread that cancelled first
-        self.cancelled = False
-
-    def set(self) -> None:
-        with self._lock:  # never held while a lease is delivered: this does not wait for one
-            if not self.cancelled:
-                self._by = threading.get_ident()
-                self.cancelled = True
-            watch = self._watch
-        if watch is not None:
-            watch.fire()
-
-    def begin_delivery(self) -> bool:
-        """False if the subscription is already disposed: do not emit, release the lease."""
-        return not self.cancelled
-
-    def delivered(self) -> bool:
-        """After emitting: False if another thread disposed the subscription meanwhile."""
-        return not self.cancelled or self._by == threading.get_ident()
-
-    def bind(self, watch: Watch) -> None:
-        with self._lock:
-            self._watch = watch
-            cancelled = self.cancelled
-        if cancelled:
-            watch.fire()
-
-
 class LeaseProvider(Closeable):
     """Distributed leases in a shared store: the API every backend offers.
 
@@ -154,6 +108,20 @@ class LeaseProvider(Closeable):
     Providers are thread-safe, context managers and reactivex Disposables (``close()`` on exit
     and on ``dispose()``). Use one provider per
     process and store; leases from it may be used from any thread or task.
+
+    Threads of one provider, whatever the number of waiters (each started on first use):
+
+    * up to 4 workers for the waiters' store round trips (``rxcoord-<backend>-lease-wait``;
+      waiters of one name share one round trip at a time, so a release costs one round trip
+      per provider, not one per waiter); they run no user code;
+    * up to 2 background workers for keep-alive renewals and cleanups
+      (``rxcoord-<backend>-leases``): renewals must not run on the shared timer thread;
+    * PostgreSQL and Redis: one listener thread owning the notification connection;
+    * while a subscriber's code runs (``acquire_rx``'s ``on_next``, ``run``'s job) without a
+      ``scheduler``: a thread of its own for that delivery, gone when it returns.
+
+    Timeouts, expiry wake-ups, poll backoff and renewals are entries on rxcoord's one shared
+    timer thread. Blocking ``acquire``/``lock`` park the caller's own thread.
     """
 
     backend: str = "abstract"
@@ -170,11 +138,14 @@ class LeaseProvider(Closeable):
                 guarantee a wake-up on release.
         """
         self._hub = hub
-        self._poll_min, self._poll_max = poll
         self._lock = threading.Lock()
         self._state: ProviderState = _OPEN
         self._held: set[DistributedLease] = set()
         self._background = Background(f"rxcoord-{self.backend}-leases")
+        # Waiting: name queues, timers on the shared timer thread, and a bounded worker pool
+        # for the waiters' round trips (see _waiting.py). No thread per waiter.
+        self._waits = Waits(self, poll)
+        self._deliver_name = f"rxcoord-{self.backend}-lease-deliver"
         self._granted = 0
         self._busy = 0
         self._released = 0
@@ -284,11 +255,20 @@ class LeaseProvider(Closeable):
         """
         most, least = check_lease_args(name, at_most_for, at_least_for)
         wait = check_timeout(timeout)
-        lease = self._acquire_blocking(name, most, least, wait, None)
-        assert lease is not None
+        deadline = None if wait is None else monotonic() + wait
+        # The first attempt on the caller's thread: the uncontended path is one round trip.
+        result = self._attempt(name, most, least)
+        if isinstance(result, float):
+            if wait == 0:
+                raise self._timeout_error(name, wait)
+            # Then the one waiting state machine (see _waiting.py), this thread parked until
+            # the wait's Waiter is granted: its own deadline timer, not this thread, ends it
+            # with LockTimeout. Interrupted (KeyboardInterrupt), nothing stays granted.
+            pending = self._waits.new(name, most, least, wait, deadline=deadline)
+            result = _lease_or_raise(self._waits.wait_blocking(pending, result))
         if keep_alive:
-            lease.start_keep_alive()
-        return lease
+            _start_keep_alive(result)
+        return result
 
     @contextmanager
     def lock(
@@ -333,9 +313,12 @@ class LeaseProvider(Closeable):
     ) -> Observable[_R]:
         """Run ``job(lease)`` only while holding the lease: ShedLock's executor, as an Observable.
 
-        On subscription the lease is taken on ``scheduler`` (default: a new thread, since
-        waiting blocks it), ``job`` runs with the lease, the lease is released, and the result
-        is emitted followed by completion::
+        On subscription the lease is taken (the store's round trips on the provider's worker
+        threads, or the first one on ``scheduler`` if given; waiting parks no thread), then
+        ``job`` runs with the lease on ``scheduler``, by default on a thread started for the
+        job alone (never on the provider's workers, which a long job would starve, nor on the
+        timer thread or an event loop), the lease is released, and the result is emitted
+        followed by completion::
 
             free:   --(result)|
             taken:  --|                  wait=False: skipped, completes empty
@@ -346,8 +329,8 @@ class LeaseProvider(Closeable):
         ``LockTimeout`` when waiting past ``timeout``; ``LeaseStoreUnavailable``.
         Disposing the subscription cancels a pending wait; a running job is not interrupted
         (check ``lease.lost`` or use ``keep_alive``), but its result is dropped.
-        ``await provider.run(...)`` runs it all on a thread of its own (or on ``scheduler``,
-        if given: not the awaiting loop's, which the wait would block) and returns the result;
+        ``await provider.run(...)`` runs the job on a thread of its own (or on ``scheduler``,
+        if given: not the awaiting loop's, which the job would block) and returns the result;
         skipped (``wait=False``), it raises ``SequenceContainsNoElementsError``, as awaiting
         any empty Observable does.
 
@@ -360,28 +343,24 @@ class LeaseProvider(Closeable):
         def subscribe(
             observer: abc.ObserverBase[_R], scheduler_: abc.SchedulerBase | None = None
         ) -> abc.DisposableBase:
-            cancel = _Cancel()
+            pending = self._waits.new(
+                name, most, least, wait_for if wait else 0.0, skip_taken=not wait
+            )
 
-            def action(_: abc.SchedulerBase, __: object = None) -> None:
-                try:
-                    if wait:
-                        lease = self._acquire_blocking(name, most, least, wait_for, cancel)
-                    else:
-                        got = self._attempt(name, most, least)
-                        lease = got if isinstance(got, DistributedLease) else None
-                    if lease is None:
-                        if not cancel.cancelled:
-                            observer.on_completed()
-                        return
-                    if cancel.cancelled:
-                        lease._release_quietly()
-                        return
-                    if keep_alive:
-                        lease.start_keep_alive()
-                except Exception as exc:
-                    observer.on_error(exc)
+            def action() -> None:
+                outcome = pending.waiter.take()
+                if outcome is None:  # disposed first: whoever cancelled released the lease
                     return
+                if isinstance(outcome, Failure):
+                    if outcome.error is None:
+                        observer.on_completed()  # taken, wait=False: skipped
+                    else:
+                        observer.on_error(outcome.error)
+                    return
+                lease = outcome
                 try:
+                    if keep_alive:
+                        _start_keep_alive(lease)
                     result = job(lease)
                 except Exception as exc:
                     lease._release_quietly()
@@ -404,8 +383,7 @@ class LeaseProvider(Closeable):
                 observer.on_next(result)
                 observer.on_completed()
 
-            chosen = scheduler or scheduler_ or NewThreadScheduler()
-            return CompositeDisposable(chosen.schedule(action), Disposable(cancel.set))
+            return self._start_rx(pending, action, scheduler or scheduler_)
 
         # ``await``: the subscription itself, on a thread of its own (through reactivex, the
         # wait and the job would run on the awaiting loop's thread), its outcome passed to the loop.
@@ -437,11 +415,16 @@ class LeaseProvider(Closeable):
 
         The subscriber owns the emitted lease and must release it (for instance in
         ``ops.finally_action``). With ``wait=False`` it completes empty when the name is
-        taken. Disposing before the grant cancels the wait; a lease granted after disposal is
-        released right away, and so is one whose emission is overlapped by a disposal from
-        another thread (a disposed observer drops what it is sent, so the lease may have
-        reached nobody). A disposal from the emitting thread itself (``take(1)``, ``first()``)
-        happens after the lease was received: the subscriber keeps it. Errors as
+        taken. Waiting parks no thread: the grant arrives through the wait's
+        :class:`~rxcoord._core.waiter.Waiter`, and is emitted on ``scheduler`` if given (the
+        first attempt runs there too), otherwise on a thread started for the delivery alone
+        (so a subscriber that works inside ``on_next`` holds no provider thread). Disposing
+        before the delivery takes the lease from the Waiter cancels the wait, and a lease
+        granted meanwhile is released; once taken, the lease is passed to the subscriber's own
+        ``on_next`` even if a disposal from another thread overlaps (a disposed observer would
+        drop it), so the lease is released or the subscriber's, never dropped. A disposal from
+        the emitting thread itself (``take(1)``, ``first()``) leaves it to the subscriber. If
+        ``on_next`` raises, the lease is released and the error reported. Errors as
         :meth:`acquire`. ``await provider.acquire_rx(...)`` is :meth:`acquire_async` (with
         ``wait=False``: :meth:`try_acquire_async`, raising ``SequenceContainsNoElementsError``
         when taken, as awaiting any empty Observable does).
@@ -456,42 +439,40 @@ class LeaseProvider(Closeable):
             observer: abc.ObserverBase[DistributedLease],
             scheduler_: abc.SchedulerBase | None = None,
         ) -> abc.DisposableBase:
-            cancel = _Cancel()
+            pending = self._waits.new(
+                name, most, least, wait_for if wait else 0.0, skip_taken=not wait
+            )
+            on_next = _wrapped_on_next(observer)
 
-            def action(_: abc.SchedulerBase, __: object = None) -> None:
+            def action() -> None:
+                outcome = pending.waiter.take()
+                if outcome is None:  # disposed first: whoever cancelled released the lease
+                    return
+                if isinstance(outcome, Failure):
+                    if outcome.error is None:
+                        observer.on_completed()  # taken, wait=False
+                    else:
+                        observer.on_error(outcome.error)
+                    return
+                # Taken from the Waiter: the lease is the subscriber's from here, and goes to
+                # its callback even if a disposal is under way (the observer would drop it).
+                lease = outcome
                 try:
-                    lease = self._acquire_blocking(
-                        name, most, least, wait_for if wait else 0.0, cancel, raise_timeout=wait
-                    )
-                    if lease is not None and keep_alive:
-                        lease.start_keep_alive()
+                    if keep_alive:
+                        _start_keep_alive(lease)
+                    on_next(lease)
                 except Exception as exc:
+                    # Nobody can be relied on to release it: release it (a later release by
+                    # the subscriber raises, loudly) and report.
+                    lease._release_quietly()
                     observer.on_error(exc)
                     return
-                if lease is None:
-                    if not cancel.cancelled:
-                        observer.on_completed()
-                    return
-                # See _Cancel for who owns a lease emitted while the subscription is disposed.
-                if not cancel.begin_delivery():
+                except BaseException:  # interrupted: same reasoning, no on_error
                     lease._release_quietly()
-                    return
-                try:
-                    observer.on_next(lease)
-                finally:
-                    delivered = cancel.delivered()
-                if not delivered:
-                    logger.info(
-                        "rxcoord lease {!r}: subscription disposed while the lease was emitted; "
-                        "released",
-                        name,
-                    )
-                    lease._release_quietly()
-                    return
+                    raise
                 observer.on_completed()
 
-            chosen = scheduler or scheduler_ or NewThreadScheduler()
-            return CompositeDisposable(chosen.schedule(action), Disposable(cancel.set))
+            return self._start_rx(pending, action, scheduler or scheduler_)
 
         # ``await``: acquire_async (through reactivex, the wait would block the awaiting loop, and
         # a task cancelled after the grant would drop the lease).
@@ -516,14 +497,16 @@ class LeaseProvider(Closeable):
         *,
         keep_alive: bool = False,
     ) -> DistributedLease | None:
-        """:meth:`try_acquire` for asyncio; the round trip runs in a worker thread."""
+        """:meth:`try_acquire` for asyncio; the round trip runs on the provider's workers.
+
+        Cancelling the task while the round trip is in flight releases a lease it grants.
+        """
         most, least = check_lease_args(name, at_most_for, at_least_for)
-        result = await self._attempt_async(name, most, least)
-        if isinstance(result, float):
-            return None
-        if keep_alive:
-            result.start_keep_alive()
-        return result
+        pending = self._waits.new(name, most, least, 0.0, skip_taken=True)
+        lease = await self._wait_async(pending)
+        if lease is not None and keep_alive:
+            _start_keep_alive(lease)
+        return lease
 
     async def acquire_async(
         self,
@@ -534,39 +517,30 @@ class LeaseProvider(Closeable):
         timeout: float | None = None,  # noqa: ASYNC109  (bounds the wait, as in acquire())
         keep_alive: bool = False,
     ) -> DistributedLease:
-        """:meth:`acquire` for asyncio: waits on the event loop, round trips in worker threads.
+        """:meth:`acquire` for asyncio: the task awaits, round trips on the provider's workers.
 
-        Cancelling the task cancels the wait; a grant that was in flight at that moment is
-        released in the background, never leaked.
+        No thread is parked for the wait (see :meth:`acquire_rx`). Cancelling the task cancels
+        the wait; a grant that was in flight at that moment is released in the background,
+        never leaked.
         """
         most, least = check_lease_args(name, at_most_for, at_least_for)
         wait = check_timeout(timeout)
-        deadline = None if wait is None else monotonic() + wait
-        result = await self._attempt_async(name, most, least)
-        if isinstance(result, float) and wait != 0:
-            loop = asyncio.get_running_loop()
-            wake = asyncio.Event()
-            watch = self._hub.watch(name, lambda: loop.call_soon_threadsafe(wake.set))
-            try:
-                if watch.confirmed:  # as in _acquire_blocking: no confirmation will wake us
-                    result = await self._attempt_async(name, most, least)
-                poll = self._poll_min
-                while isinstance(result, float):
-                    delay, poll = self._next_delay(result, watch, poll, deadline, name, wait)
-                    # asyncio.timeout, not wait_for: on 3.11, wait_for can swallow a
-                    # cancellation that arrives just as the wake-up does.
-                    with suppress(TimeoutError):
-                        async with asyncio.timeout(delay):
-                            await wake.wait()
-                    wake.clear()
-                    result = await self._attempt_async(name, most, least)
-            finally:
-                watch.close()
-        if isinstance(result, float):
-            raise self._timeout_error(name, wait)
+        lease = await self._wait_async(self._waits.new(name, most, least, wait))
+        assert lease is not None  # a taken name raised LockTimeout
         if keep_alive:
-            result.start_keep_alive()
-        return result
+            _start_keep_alive(lease)
+        return lease
+
+    async def _wait_async(self, pending: LeaseWait) -> DistributedLease | None:
+        self._waits.start(pending)
+        try:
+            outcome = await pending.waiter.wait_async()
+        except BaseException:  # the Waiter is cancelled: a grant racing with this is released
+            self._waits.withdraw(pending)
+            raise
+        if isinstance(outcome, Failure) and outcome.error is None:
+            return None  # taken, and not waiting
+        return _lease_or_raise(outcome)
 
     @asynccontextmanager
     async def lock_async(
@@ -585,7 +559,7 @@ class LeaseProvider(Closeable):
         try:
             yield lease
         except BaseException:
-            await asyncio.get_running_loop().run_in_executor(None, lease._release_quietly)
+            await self._waits.call_async(lease._release_quietly)
             raise
         if lease.held or lease.lost:
             await lease.release_async()
@@ -615,6 +589,7 @@ class LeaseProvider(Closeable):
         # releases below share one budget; what does not fit is left to expire on its own.
         budget = self._op_timeout
         deadline = None if budget is None else monotonic() + budget
+        self._waits.close()  # waiters fail with LeaseProviderClosed
         self._hub.close()
         self._background.close(grace=budget)
         for lease in held:
@@ -631,7 +606,7 @@ class LeaseProvider(Closeable):
                 backend=self.backend,
                 state=self._state,
                 held=len(self._held),
-                waiting=self._hub.waiting(),
+                waiting=self._waits.waiting(),
                 keep_alive=self._background.active(),
                 granted=self._granted,
                 busy=self._busy,
@@ -686,91 +661,48 @@ class LeaseProvider(Closeable):
             self._check_open()
         return lease
 
-    async def _attempt_async(
-        self, name: str, most: float, least: float
-    ) -> DistributedLease | float:
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, self._attempt, name, most, least)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(self._release_orphan)
-            raise
-
-    def _release_orphan(self, future: asyncio.Future[DistributedLease | float]) -> None:
-        # A grant that completed after its waiter was cancelled: nobody will release it.
-        if future.cancelled() or future.exception() is not None:
-            return
-        result = future.result()
-        if isinstance(result, DistributedLease):
-            self._background.submit(result._release_quietly)
-
-    def _acquire_blocking(
+    def _start_rx(
         self,
-        name: str,
-        most: float,
-        least: float,
-        timeout: float | None,
-        cancel: _Cancel | None,
-        *,
-        raise_timeout: bool = True,
-    ) -> DistributedLease | None:
-        """Try, then wait as the module docstring describes; None if cancelled."""
-        deadline = None if timeout is None else monotonic() + timeout
-        result = self._attempt(name, most, least)
-        if not isinstance(result, float):
-            return result
-        if timeout == 0:
-            if raise_timeout:
-                raise self._timeout_error(name, timeout)
-            return None
-        watch = self._hub.watch(name)
-        if cancel is not None:
-            cancel.bind(watch)
-        try:
-            if watch.confirmed:
-                # Registered on a subscription already in place (another waiter's, or a hub that
-                # sees every release): a release between the failed try and the registration
-                # woke nobody, and no confirmation will come to make us retry. Retry now.
-                result = self._attempt(name, most, least)
-                if not isinstance(result, float):
-                    return result
-            poll = self._poll_min
-            while True:
-                delay, poll = self._next_delay(result, watch, poll, deadline, name, timeout)
-                watch.wait(delay)
-                if cancel is not None and cancel.cancelled:
-                    return None
-                result = self._attempt(name, most, least)
-                if not isinstance(result, float):
-                    return result
-        finally:
-            watch.close()
+        pending: LeaseWait,
+        action: Callable[[], None],
+        scheduler: abc.SchedulerBase | None,
+    ) -> abc.DisposableBase:
+        """Start a subscription's wait; ``action`` takes the outcome from the Waiter.
 
-    def _next_delay(
-        self,
-        remaining: float,
-        watch: Watch,
-        poll: float,
-        deadline: float | None,
-        name: str,
-        timeout: float | None,
-    ) -> tuple[float, float]:
-        """How long to sleep before the next attempt, and the next polling interval.
-
-        Raises:
-            LockTimeout: The caller's deadline has passed.
+        ``action`` runs on ``scheduler`` if given, else on a thread started for it alone: it
+        runs the subscriber's code (``on_next``, the job), which must neither hold one of the
+        provider's few workers nor run on the thread that decided the grant (a worker, the
+        timer thread, a closing thread). The thread exists only while ``action`` runs: a
+        waiting subscription has none.
         """
-        delay = remaining + _EXPIRY_SLACK
-        if not watch.confirmed:
-            delay = min(delay, poll)
-            poll = min(poll * 2, self._poll_max)
-        if deadline is not None:
-            left = deadline - monotonic()
-            if left <= 0:
-                raise self._timeout_error(name, timeout)
-            delay = min(delay, left)
-        return delay, poll
+
+        def scheduled(_: abc.SchedulerBase, __: object = None) -> None:
+            action()
+
+        def first(_: abc.SchedulerBase, __: object = None) -> None:
+            self._waits.first_attempt(pending)
+
+        def deliver() -> None:
+            try:
+                if scheduler is not None:
+                    scheduler.schedule(scheduled)
+                else:
+                    threading.Thread(target=action, name=self._deliver_name, daemon=True).start()
+            except Exception:  # nowhere to run it: the outcome reaches nobody, so release it
+                logger.opt(exception=True).error(
+                    "rxcoord lease {!r}: could not deliver the outcome", pending.name
+                )
+                self._waits.leave(pending)
+                outcome = pending.waiter.take()
+                if isinstance(outcome, DistributedLease):
+                    outcome._release_quietly()
+
+        pending.waiter.bind(deliver)
+        if scheduler is None:
+            self._waits.start(pending)
+        else:
+            scheduler.schedule(first)
+        return Disposable(lambda: self._waits.leave(pending))
 
     def _extend_lease(
         self, lease: DistributedLease, most: float, *, timeout: float | None = None
@@ -811,3 +743,29 @@ class LeaseProvider(Closeable):
 
     def _release_for_close(self, lease: DistributedLease, timeout: float | None) -> None:
         lease._release_on_close(timeout)
+
+
+def _lease_or_raise(outcome: Outcome) -> DistributedLease:
+    if isinstance(outcome, Failure):
+        assert outcome.error is not None
+        raise outcome.error
+    return outcome
+
+
+def _start_keep_alive(lease: DistributedLease) -> None:
+    """Start keep-alive; if that fails (the provider closed), release instead of leaking."""
+    try:
+        lease.start_keep_alive()
+    except BaseException:
+        lease._release_quietly()
+        raise
+
+
+def _wrapped_on_next(observer: abc.ObserverBase[Any]) -> Callable[[Any], None]:
+    # AutoDetachObserver.on_next drops the item once dispose() has begun; for a lease taken
+    # from its Waiter that would mean a lease nobody releases. Call the wrapped callback so a
+    # lease racing with disposal still reaches the subscriber (as rxcoord._locks does).
+    wrapped = getattr(observer, "_on_next", None)
+    if type(observer) is AutoDetachObserver and callable(wrapped):
+        return wrapped  # type: ignore[no-any-return]
+    return observer.on_next

@@ -1,8 +1,12 @@
-"""Pick a lease provider from a URL (for configuration files and command lines)."""
+"""Pick a lease provider from a URL (for configuration files and command lines).
+
+The schemes are the backends' own declarations, looked up in the registry (``_registry.py``).
+"""
 
 from __future__ import annotations
 
 from ._base import LeaseProvider
+from ._registry import backend_for_scheme, known_schemes
 
 __all__ = ["leases_from_url"]
 
@@ -20,31 +24,16 @@ def leases_from_url(url: str, **options: object) -> LeaseProvider:
         **options: Keyword arguments for the provider (``table=``, ``prefix=``...).
 
     Raises:
-        ValueError: Unknown scheme or empty SQLite path.
+        ValueError: Unknown scheme (the message lists the known ones) or empty SQLite path.
+        ImportError: The backend's driver is missing (the message says which extra to
+            install: ``pip install 'rxcoord[postgres]'``).
     """
     scheme, sep, rest = url.partition("://")
-    scheme = scheme.lower()
     if not sep:
         raise ValueError(f"not a lease store URL: {url!r} (expected scheme://...)")
-    if scheme == "memory":
-        from ._backends._memory import MemoryLeases
-
-        return MemoryLeases(**options)  # type: ignore[arg-type]
-    if scheme == "sqlite":
-        from ._backends._sqlite import SqliteLeases
-
-        if not rest:
-            raise ValueError(f"no database path in {url!r}: use sqlite:///path/to/leases.db")
-        return SqliteLeases(rest, **options)  # type: ignore[arg-type]
-    if scheme in ("postgresql", "postgres"):
-        from ._backends._postgres import PostgresLeases
-
-        return PostgresLeases(url, **options)  # type: ignore[arg-type]
-    if scheme in ("redis", "rediss", "unix"):
-        from ._backends._redis import RedisLeases
-
-        return RedisLeases(url, **options)  # type: ignore[arg-type]
-    raise ValueError(
-        f"unknown lease store scheme {scheme!r} in {url!r}: use memory://, sqlite://, "
-        "postgresql:// or redis://"
-    )
+    backend = backend_for_scheme(scheme)
+    if backend is None:
+        raise ValueError(
+            f"unknown lease store scheme {scheme.lower()!r} in {url!r}: use {known_schemes()}"
+        )
+    return backend.from_url(url, rest, **options)

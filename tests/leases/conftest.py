@@ -41,10 +41,11 @@ from rxcoord.leases import (
     RedisLeases,
     SqliteLeases,
 )
+from rxcoord.leases._registry import LeaseBackend, backends
 
 REQUIRE_BACKENDS = os.environ.get("RXCOORD_REQUIRE_BACKENDS") == "1"
 WORKER = Path(__file__).with_name("lease_worker.py")
-BACKEND_IDS = ("memory", "sqlite", "postgres", "redis")
+BACKEND_IDS = tuple(entry.name for entry in backends())
 
 
 def backend_unavailable(message: str) -> NoReturn:
@@ -271,6 +272,7 @@ class Backend:
     options: dict[str, str] = field(default_factory=dict)
     notifies: bool = True
     providers: list[LeaseProvider] = field(default_factory=list)
+    cleanup: Callable[[], None] | None = None  # after the providers are closed
 
     def new(self, **overrides: object) -> LeaseProvider:
         provider = self.make(**overrides)
@@ -289,59 +291,106 @@ class Backend:
         )
 
 
+# How the suite opens a throwaway namespace of each registered backend: one entry per backend,
+# beside the registry's one (rxcoord/leases/_registry.py). A factory gets the test's request
+# (for server fixtures), a private directory and a unique suffix, and returns the Backend with
+# its cleanup.
+
+
+def _memory_store(request: pytest.FixtureRequest, tmp_path: Path, suffix: str) -> Backend:
+    store = MemoryLeaseStore()
+
+    def make_memory(**kw: object) -> LeaseProvider:
+        return MemoryLeases(store, **kw)
+
+    return Backend("memory", make_memory, None)
+
+
+def _sqlite_store(request: pytest.FixtureRequest, tmp_path: Path, suffix: str) -> Backend:
+    path = tmp_path / "leases.db"
+
+    def make_sqlite(**kw: object) -> LeaseProvider:
+        options: dict[str, object] = {"timeout": 2.0, **kw}
+        return SqliteLeases(path, **options)  # type: ignore[arg-type]
+
+    return Backend("sqlite", make_sqlite, f"sqlite://{path}", notifies=False)
+
+
+def _postgres_store(request: pytest.FixtureRequest, tmp_path: Path, suffix: str) -> Backend:
+    url: str = request.getfixturevalue("postgres_url")
+    table = f"leases_{suffix}"
+
+    def make_pg(**kw: object) -> LeaseProvider:
+        options: dict[str, object] = {"table": table, "timeout": 2.0, **kw}
+        return PostgresLeases(url, **options)  # type: ignore[arg-type]
+
+    return Backend(
+        "postgres", make_pg, url, {"table": table}, cleanup=lambda: drop_table(url, table)
+    )
+
+
+def _redis_store(request: pytest.FixtureRequest, tmp_path: Path, suffix: str) -> Backend:
+    url: str = request.getfixturevalue("redis_url")
+    prefix = f"test:{suffix}:"
+
+    def make_redis(**kw: object) -> LeaseProvider:
+        options: dict[str, object] = {"prefix": prefix, "timeout": 2.0, **kw}
+        return RedisLeases(url, **options)  # type: ignore[arg-type]
+
+    return Backend("redis", make_redis, url, {"prefix": prefix})
+
+
+STORES: dict[str, Callable[[pytest.FixtureRequest, Path, str], Backend]] = {
+    "memory": _memory_store,
+    "sqlite": _sqlite_store,
+    "postgres": _postgres_store,
+    "redis": _redis_store,
+}
+
+
 def backend_params() -> list[object]:
-    return [
-        pytest.param("memory", id="memory"),
-        pytest.param("sqlite", id="sqlite"),
-        pytest.param("postgres", id="postgres", marks=pytest.mark.backend),
-        pytest.param("redis", id="redis", marks=pytest.mark.backend),
-    ]
+    """One parameter per registered backend; server backends carry the ``backend`` mark.
+
+    A registered backend without an entry in :data:`STORES` fails every contract test (no
+    backend skips the contract silently).
+    """
+    params: list[object] = []
+    for entry in backends():
+        marks = [pytest.mark.backend] if entry.server else []
+        params.append(pytest.param(entry.name, id=entry.name, marks=marks))
+    return params
 
 
 @pytest.fixture(params=backend_params())
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     kind: str = request.param
-    suffix = uuid.uuid4().hex[:12]
-    if kind == "memory":
-        store = MemoryLeaseStore()
-
-        def make_memory(**kw: object) -> LeaseProvider:
-            return MemoryLeases(store, **kw)
-
-        result = Backend(kind, make_memory, None)
-    elif kind == "sqlite":
-        path = tmp_path / "leases.db"
-
-        def make_sqlite(**kw: object) -> LeaseProvider:
-            options: dict[str, object] = {"timeout": 2.0, **kw}
-            return SqliteLeases(path, **options)  # type: ignore[arg-type]
-
-        result = Backend(kind, make_sqlite, f"sqlite://{path}", notifies=False)
-    elif kind == "postgres":
-        url: str = request.getfixturevalue("postgres_url")
-        table = f"leases_{suffix}"
-
-        def make_pg(**kw: object) -> LeaseProvider:
-            options: dict[str, object] = {"table": table, "timeout": 2.0, **kw}
-            return PostgresLeases(url, **options)  # type: ignore[arg-type]
-
-        result = Backend(kind, make_pg, url, {"table": table})
-    else:
-        url = request.getfixturevalue("redis_url")
-        prefix = f"test:{suffix}:"
-
-        def make_redis(**kw: object) -> LeaseProvider:
-            options: dict[str, object] = {"prefix": prefix, "timeout": 2.0, **kw}
-            return RedisLeases(url, **options)  # type: ignore[arg-type]
-
-        result = Backend(kind, make_redis, url, {"prefix": prefix})
+    factory = STORES.get(kind)
+    if factory is None:
+        pytest.fail(
+            f"lease backend {kind!r} is registered but tests/leases/conftest.py has no STORES "
+            "entry to open a throwaway store of it",
+            pytrace=False,
+        )
+    entry = registered(kind)
+    result = factory(request, tmp_path, uuid.uuid4().hex[:12])
+    # The suite's expectations follow what the backend declares of itself.
+    assert result.notifies == entry.notifies, f"{kind}: STORES and the registry disagree"
+    assert (result.url is not None) == entry.shared, f"{kind}: STORES and the registry disagree"
     try:
         yield result
     finally:
         for provider in result.providers:
             provider.close()
-        if kind == "postgres":
-            drop_table(result.url or "", result.options["table"])
+        if result.cleanup is not None:
+            result.cleanup()
+
+
+def registered(kind: str) -> LeaseBackend:
+    """The registry's entry for backend ``kind``."""
+    for entry in backends():
+        if entry.name == kind:
+            return entry
+    raise KeyError(kind)
 
 
 @pytest.fixture

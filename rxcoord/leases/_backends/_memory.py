@@ -146,3 +146,22 @@ class MemoryLeases(LeaseProvider):
 
     def _store_close(self) -> None:
         self.store.detach(self._hub)
+
+
+# -- registry entry (see rxcoord/leases/_registry.py) ------------------------------------------
+# Kept in one block with its imports, so that a backend's registration reads as one unit.
+
+from typing import Any as _Any  # noqa: E402
+from typing import Final as _Final  # noqa: E402
+
+from .._registry import LeaseBackend  # noqa: E402
+
+
+def _from_url(url: str, rest: str, **options: _Any) -> MemoryLeases:
+    """``memory://``: a provider with a private in-process store."""
+    return MemoryLeases(**options)
+
+
+BACKEND: _Final = LeaseBackend(
+    name="memory", provider=MemoryLeases, schemes=("memory",), from_url=_from_url, shared=False
+)

@@ -407,3 +407,26 @@ class _PgListener(Listener):
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
+
+
+# -- registry entry (see rxcoord/leases/_registry.py) ------------------------------------------
+# Kept in one block with its imports, so that a backend's registration reads as one unit.
+
+from typing import Any as _Any  # noqa: E402
+from typing import Final as _Final  # noqa: E402
+
+from .._registry import LeaseBackend  # noqa: E402
+
+
+def _from_url(url: str, rest: str, **options: _Any) -> PostgresLeases:
+    """``postgresql://...`` or ``postgres://...``: the URL is psycopg's conninfo."""
+    return PostgresLeases(url, **options)
+
+
+BACKEND: _Final = LeaseBackend(
+    name="postgres",
+    provider=PostgresLeases,
+    schemes=("postgresql", "postgres"),
+    from_url=_from_url,
+    server=True,
+)

@@ -470,3 +470,26 @@ class _RedisListener(Listener):
         if conn is not None:
             with suppress(Exception):
                 conn.disconnect()
+
+
+# -- registry entry (see rxcoord/leases/_registry.py) ------------------------------------------
+# Kept in one block with its imports, so that a backend's registration reads as one unit.
+
+from typing import Any as _Any  # noqa: E402
+from typing import Final as _Final  # noqa: E402
+
+from .._registry import LeaseBackend  # noqa: E402
+
+
+def _from_url(url: str, rest: str, **options: _Any) -> RedisLeases:
+    """``redis://...``, ``rediss://...`` or ``unix://...``: redis-py's URL forms."""
+    return RedisLeases(url, **options)
+
+
+BACKEND: _Final = LeaseBackend(
+    name="redis",
+    provider=RedisLeases,
+    schemes=("redis", "rediss", "unix"),
+    from_url=_from_url,
+    server=True,
+)

@@ -210,3 +210,24 @@ class SqliteLeases(LeaseProvider):
         if conn is not None:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
+
+
+# -- registry entry (see rxcoord/leases/_registry.py) ------------------------------------------
+# Kept in one block with its imports, so that a backend's registration reads as one unit.
+
+from typing import Any as _Any  # noqa: E402
+from typing import Final as _Final  # noqa: E402
+
+from .._registry import LeaseBackend  # noqa: E402
+
+
+def _from_url(url: str, rest: str, **options: _Any) -> SqliteLeases:
+    """``sqlite:///abs/path.db`` or ``sqlite://relative.db``."""
+    if not rest:
+        raise ValueError(f"no database path in {url!r}: use sqlite:///path/to/leases.db")
+    return SqliteLeases(rest, **options)
+
+
+BACKEND: _Final = LeaseBackend(
+    name="sqlite", provider=SqliteLeases, schemes=("sqlite",), from_url=_from_url, notifies=False
+)
