@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
@@ -44,9 +45,9 @@ from rxcoord._core.lifecycle import Closeable
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
 
 from ._background import Background
-from ._lease import DistributedLease
+from ._lease import DistributedLease, LeaseHolder
 from ._notify import WaitHub, Watch
-from ._validate import check_lease_args, check_timeout
+from ._validate import MAX_DURATION, MAX_NAME_BYTES, check_lease_args, check_timeout
 
 __all__ = ["LeaseProvider", "LeaseProviderStats"]
 
@@ -160,6 +161,10 @@ class LeaseProvider(Closeable):
     # Seconds one round trip to the store may take (None: unbounded, a local store). Also the
     # most close() waits for background work and for releasing the leases still held.
     _op_timeout: float | None = None
+    #: The longest name this backend stores, in bytes of UTF-8 (checked at every call).
+    max_name_bytes: int = MAX_NAME_BYTES
+    #: The longest ``at_most_for``/``at_least_for`` in seconds (checked at every call).
+    max_duration: float = MAX_DURATION
 
     def __init__(self, hub: WaitHub, *, poll: tuple[float, float]) -> None:
         """Set up the shared machinery.
@@ -173,7 +178,9 @@ class LeaseProvider(Closeable):
         self._poll_min, self._poll_max = poll
         self._lock = threading.Lock()
         self._state: ProviderState = _OPEN
-        self._held: set[DistributedLease] = set()
+        # Weak: a lease its holder dropped without releasing it must be collectable, so that its
+        # keep-alive stops and the name frees by at_most_for (see DistributedLease).
+        self._held: weakref.WeakSet[DistributedLease] = weakref.WeakSet()
         self._background = Background(f"rxcoord-{self.backend}-leases")
         self._granted = 0
         self._busy = 0
@@ -208,6 +215,17 @@ class LeaseProvider(Closeable):
     @abstractmethod
     def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
         """Release the grant (name, token) if unexpired and unreleased; False otherwise."""
+
+    @abstractmethod
+    def _store_holder(self, name: str) -> tuple[int, float, bool] | None:
+        """The store's current grant of ``name``: ``(token, remaining, released)`` or None.
+
+        One round trip. ``remaining`` is by the store's clock; ``released`` is True for a grant
+        released early that still keeps the name taken (``at_least_for``).
+
+        Raises:
+            LeaseStoreUnavailable, LeaseStoreMisconfigured: As the other primitives.
+        """
 
     @abstractmethod
     def _store_close(self) -> None:
@@ -248,7 +266,7 @@ class LeaseProvider(Closeable):
             LeaseStoreUnavailable: The store could not be reached.
             LeaseProviderClosed: The provider was closed.
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         result = self._attempt(name, most, least)
         if type(result) is float:
             return None
@@ -282,7 +300,7 @@ class LeaseProvider(Closeable):
             LeaseStoreUnavailable: The store could not be reached.
             LeaseProviderClosed: The provider was closed (also while waiting).
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait = check_timeout(timeout)
         lease = self._acquire_blocking(name, most, least, wait, None)
         assert lease is not None
@@ -316,6 +334,60 @@ class LeaseProvider(Closeable):
         )
         with lease:
             yield lease
+
+    # -- the store's view -----------------------------------------------------------------------
+
+    def holder(self, name: str) -> LeaseHolder | None:
+        """Ask the store who holds ``name`` right now: None, or its current grant.
+
+        One round trip; the answer is the store's (token, and time left by the store's clock),
+        not this process's bookkeeping, so it sees grants made by other processes and expiries
+        this process has not noticed. It is a snapshot: the grant may end right after.
+
+        Raises:
+            ValueError, TypeError: Bad name (checked before the round trip).
+            LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (see the message).
+            LeaseProviderClosed: The provider was closed.
+        """
+        self._check_name(name)
+        return self._holder_of(name)
+
+    async def holder_async(self, name: str) -> LeaseHolder | None:
+        """:meth:`holder` for asyncio; the round trip runs in a worker thread."""
+        self._check_name(name)
+        return await asyncio.get_running_loop().run_in_executor(None, self._holder_of, name)
+
+    def _holder_of(self, name: str) -> LeaseHolder | None:
+        self._check_open()
+        try:
+            found = self._store_holder(name)
+        except LeaseStoreUnavailable:
+            with self._lock:
+                self._store_errors += 1
+            raise
+        if found is None:
+            return None
+        token, remaining, released = found
+        return LeaseHolder(name, token, max(0.0, remaining), released)
+
+    def _check_name(self, name: object) -> None:
+        check_lease_args(
+            name, 1.0, 0.0, max_name_bytes=self.max_name_bytes, backend=type(self).__name__
+        )
+
+    def _check_lease_args(
+        self, name: object, at_most_for: object, at_least_for: object
+    ) -> tuple[float, float]:
+        """check_lease_args with this backend's limits (every public call goes through it)."""
+        return check_lease_args(
+            name,
+            at_most_for,
+            at_least_for,
+            max_name_bytes=self.max_name_bytes,
+            max_duration=self.max_duration,
+            backend=type(self).__name__,
+        )
 
     # -- reactive forms -----------------------------------------------------------------------
 
@@ -354,7 +426,7 @@ class LeaseProvider(Closeable):
         Raises:
             ValueError: Bad arguments (raised here, not on subscription).
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait_for = check_timeout(timeout)
 
         def subscribe(
@@ -449,7 +521,7 @@ class LeaseProvider(Closeable):
         Raises:
             ValueError: Bad arguments (raised here, not on subscription).
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait_for = check_timeout(timeout)
 
         def subscribe(
@@ -517,7 +589,7 @@ class LeaseProvider(Closeable):
         keep_alive: bool = False,
     ) -> DistributedLease | None:
         """:meth:`try_acquire` for asyncio; the round trip runs in a worker thread."""
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         result = await self._attempt_async(name, most, least)
         if isinstance(result, float):
             return None
@@ -539,7 +611,7 @@ class LeaseProvider(Closeable):
         Cancelling the task cancels the wait; a grant that was in flight at that moment is
         released in the background, never leaked.
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait = check_timeout(timeout)
         deadline = None if wait is None else monotonic() + wait
         result = await self._attempt_async(name, most, least)
