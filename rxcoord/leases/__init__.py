@@ -25,7 +25,10 @@ the embedded default), :class:`PostgresLeases` and :class:`RedisLeases` (distrib
 from rxcoord._errors import (
     LeaseError,
     LeaseLost,
+    LeaseNotHeld,
     LeaseProviderClosed,
+    LeaseReleasedError,
+    LeaseStoreMisconfigured,
     LeaseStoreUnavailable,
     LockTimeout,
     StaleToken,
@@ -37,7 +40,7 @@ from ._backends._redis import RedisLeases
 from ._backends._sqlite import SqliteLeases
 from ._base import LeaseProvider, LeaseProviderStats
 from ._fencing import FencingGuard, FencingGuardStats
-from ._lease import DistributedLease, LeaseStats
+from ._lease import DistributedLease, LeaseHolder, LeaseStats
 from ._url import leases_from_url
 
 __all__ = [
@@ -45,11 +48,15 @@ __all__ = [
     "FencingGuard",
     "FencingGuardStats",
     "LeaseError",
+    "LeaseHolder",
     "LeaseLost",
+    "LeaseNotHeld",
     "LeaseProvider",
     "LeaseProviderClosed",
     "LeaseProviderStats",
+    "LeaseReleasedError",
     "LeaseStats",
+    "LeaseStoreMisconfigured",
     "LeaseStoreUnavailable",
     "LockTimeout",
     "MemoryLeaseStore",

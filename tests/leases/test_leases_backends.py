@@ -88,7 +88,8 @@ def test_postgres_needs_one_round_trip_per_operation(postgres_url: str, tmp_path
             assert leases.try_acquire("warm", 5.0) is None
             warm.extend()
             warm.release()
-            (conn,) = connections
+            # The table is set up on a connection of its own (closed since): trace the pool's.
+            (conn,) = [c for c in connections if not c.closed]
             with trace.open("w") as out:
                 conn.pgconn.trace(out.fileno())
                 conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
@@ -135,7 +136,7 @@ def test_sqlite_uses_the_configured_table_and_creates_it_idempotently(tmp_path: 
             row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
         ]
     conn.close()
-    assert tables == ["custom_leases"]
+    assert tables == ["custom_leases", "custom_leases_seq"]  # the lease rows, the token sequence
 
 
 @pytest.mark.backend
@@ -238,7 +239,7 @@ def test_memory_store_expiry_and_at_least_for_in_virtual_time() -> None:
         clock.now += 9.0  # 12 s after the grant, 9 s after the extension
         assert b.try_acquire("n", 10.0) is None
         third.release()
-        assert store.stats() == MemoryLeaseStoreStats(names=1, held=0, providers=2)
+        assert store.stats() == MemoryLeaseStoreStats(names=0, held=0, providers=2)
     assert store.stats().providers == 0  # detached on close
 
 
@@ -303,12 +304,13 @@ def test_an_unreachable_postgres_is_a_clear_error(unreachable_port: int) -> None
         leases.try_acquire("n", 1.0)
 
 
-def test_an_unopenable_sqlite_file_is_a_clear_error(tmp_path: Path) -> None:
-    from rxcoord.leases import LeaseStoreUnavailable
+def test_an_unopenable_sqlite_file_is_a_clear_error_and_not_an_outage(tmp_path: Path) -> None:
+    from rxcoord.leases import LeaseStoreMisconfigured
 
     with SqliteLeases(tmp_path / "missing" / "dir" / "x.db") as leases:
-        with pytest.raises(LeaseStoreUnavailable, match="SQLite lease store") as caught:
+        with pytest.raises(LeaseStoreMisconfigured, match="directory exists") as caught:
             leases.try_acquire("n", 1.0)
+        assert not isinstance(caught.value, ConnectionError)  # retry loops must not spin on it
         assert isinstance(caught.value.__cause__, sqlite3.Error)
 
 

@@ -17,6 +17,8 @@ from reactivex import abc
 from rxcoord.leases import (
     DistributedLease,
     LeaseLost,
+    LeaseNotHeld,
+    LeaseReleasedError,
     LeaseProvider,
     LeaseProviderClosed,
     LockTimeout,
@@ -230,14 +232,21 @@ def test_an_expired_lease_is_lost_even_if_nobody_took_it(leases: LeaseProvider, 
     assert lease.lost
 
 
-def test_using_a_released_lease_raises_lease_lost(leases: LeaseProvider, name: str) -> None:
+def test_using_a_released_lease_raises_lease_released_error(
+    leases: LeaseProvider, name: str
+) -> None:
+    """A double release is the caller's bug, not a loss: the same error as KeyedLocks raises."""
     lease = leases.try_acquire(name, 5.0)
     assert lease is not None
     lease.release()
-    with pytest.raises(LeaseLost, match="already released"):
+    with pytest.raises(LeaseReleasedError, match="already released") as caught:
         lease.release()
-    with pytest.raises(LeaseLost, match="already released"):
+    assert not isinstance(caught.value, LeaseLost)
+    assert isinstance(caught.value, LeaseNotHeld)
+    with pytest.raises(LeaseReleasedError, match="already released"):
         lease.extend()
+    with pytest.raises(LeaseReleasedError):
+        lease.verify()
     assert not lease.lost
 
 
@@ -382,21 +391,29 @@ def test_waiting_does_not_poll_a_store_that_notifies(backend: Backend, name: str
     ("args", "message"),
     [
         (("", 1.0, 0.0), "empty"),
-        (("x" * 1025, 1.0, 0.0), "at most"),
+        (("TOO-LONG-ASCII", 1.0, 0.0), "bytes of UTF-8"),
+        (("TOO-LONG-UTF8", 1.0, 0.0), "bytes of UTF-8"),
+        (("\ud800", 1.0, 0.0), "UTF-8"),
         (("a\x00b", 1.0, 0.0), "NUL"),
         (("n", 0.0, 0.0), "at_most_for"),
         (("n", -1.0, 0.0), "at_most_for"),
         (("n", float("inf"), 0.0), "finite"),
+        (("n", 1e13, 0.0), "at most"),
+        (("n", 1e17, 0.0), "at most"),
         (("n", 1.0, -0.1), "at_least_for"),
         (("n", 1.0, 2.0), "must not exceed"),
     ],
     ids=[
         "empty",
         "too-long",
+        "too-many-bytes",
+        "surrogate",
         "nul",
         "zero",
         "negative",
         "infinite",
+        "beyond-the-store-1e13",
+        "beyond-the-store-1e17",
         "negative-least",
         "least>most",
     ],
@@ -404,13 +421,44 @@ def test_waiting_does_not_poll_a_store_that_notifies(backend: Backend, name: str
 def test_bad_arguments_raise_value_error(
     leases: LeaseProvider, args: tuple[str, float, float], message: str
 ) -> None:
+    """Refused at the call, before any round trip: never reported as a store outage.
+
+    The names are one byte over the backend's documented limit: ASCII, and two-byte
+    characters (under the limit in characters, over it in bytes).
+    """
+    limit = leases.max_name_bytes
+    if args[0] == "TOO-LONG-ASCII":
+        args = ("x" * (limit + 1), *args[1:])
+    elif args[0] == "TOO-LONG-UTF8":
+        args = ("é" * (limit // 2 + 1), *args[1:])
     with pytest.raises(ValueError, match=message):
         leases.try_acquire(*args)
     with pytest.raises(ValueError, match=message):
         leases.acquire(*args, timeout=1)
     with pytest.raises(ValueError, match=message):
         leases.run(args[0], lambda _: None, at_most_for=args[1], at_least_for=args[2])
-    assert leases.stats().granted == 0
+    with pytest.raises(ValueError, match=message):
+        leases.acquire_rx(args[0], at_most_for=args[1], at_least_for=args[2])
+    if args[1] == 1.0 and args[2] == 0.0:  # the name is the bad part
+        with pytest.raises(ValueError, match=message):
+            leases.holder(args[0])
+    stats = leases.stats()
+    assert stats.granted == 0
+    assert stats.store_errors == 0
+
+
+def test_names_up_to_the_documented_limit_are_stored(leases: LeaseProvider) -> None:
+    """The limit is real: a name of exactly max_name_bytes (3-byte characters) works."""
+    name = "€" * (leases.max_name_bytes // 3)
+    lease = leases.try_acquire(name, 5.0)
+    assert lease is not None
+    holder = leases.holder(name)
+    assert holder is not None
+    assert holder.token == lease.token
+    lease.release()
+    lease = leases.try_acquire("n", leases.max_duration)  # the longest lease the store takes
+    assert lease is not None
+    lease.release()
 
 
 def test_wrong_types_raise_type_error(leases: LeaseProvider) -> None:
