@@ -255,9 +255,7 @@ class DistributedLease:
         most = (
             self.at_most_for
             if at_most_for is None
-            else check_duration(
-                "at_most_for", at_most_for, maximum=self._provider.max_duration
-            )
+            else check_duration("at_most_for", at_most_for, maximum=self._provider.max_duration)
         )
         state = self._state
         if state is not _HELD:

@@ -6,7 +6,8 @@ it directly: the hub is authoritative and nobody polls.
 
 Nothing is left behind: a record exists only while its name is taken. A release (outside
 ``at_least_for``) deletes it at once; records that expired are swept when the dict has doubled
-since the last sweep (amortized O(1) per grant). Tokens come from one store-wide counter, so
+since the last sweep, or by the first grant a second after the last one (amortized O(1) per
+grant). Tokens come from one store-wide counter, so
 they keep increasing per name however often its record is deleted; they live as long as the
 store object.
 """
@@ -23,6 +24,8 @@ from .._base import LeaseProvider
 from .._notify import WaitHub
 
 __all__ = ["MemoryLeaseStore", "MemoryLeaseStoreStats", "MemoryLeases"]
+
+_SWEEP_EVERY = 1.0  # store-clock seconds between time-based sweeps of expired records
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,8 @@ class MemoryLeaseStore:
         self._lock = threading.Lock()
         self._records: dict[str, _Record] = {}
         self._last_token = 0  # store-wide: every grant of any name takes the next one
-        self._sweep_at = 64  # sweep expired records when the dict reaches this size
+        self._sweep_at = 64  # sweep expired records when the dict reaches this size...
+        self._sweep_after = clock() + _SWEEP_EVERY  # ...or, on a grant, once this has passed
         self._hubs: weakref.WeakSet[WaitHub] = weakref.WeakSet()
 
     def attach(self, hub: WaitHub) -> None:
@@ -91,7 +95,7 @@ class MemoryLeaseStore:
                 return 0, record.until - now
             self._last_token += 1
             if record is None:
-                if len(self._records) >= self._sweep_at:
+                if len(self._records) >= self._sweep_at or now >= self._sweep_after:
                     self._sweep(now)
                 record = self._records[name] = _Record(self._last_token)
             record.token = self._last_token
@@ -106,6 +110,7 @@ class MemoryLeaseStore:
         for name in expired:
             del self._records[name]
         self._sweep_at = max(64, 2 * len(self._records))
+        self._sweep_after = now + _SWEEP_EVERY
 
     def holder(self, name: str) -> tuple[int, float, bool] | None:
         with self._lock:

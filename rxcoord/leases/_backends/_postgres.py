@@ -93,7 +93,7 @@ _PERMANENT_CONNECT_ERRORS: Final = (
     "invalid connection option",
     "invalid sslmode",
     "invalid integer value",
-    "missing \"=\" after",
+    'missing "=" after',
 )
 
 
