@@ -765,7 +765,8 @@ def test_100000_names_leave_at_most_the_bookkeeping_behind(backend: Backend) -> 
     # SQLite: durable=False spares 200,000 fsyncs; what is deleted does not depend on it.
     leases = backend.new(durable=False) if backend.id == "sqlite" else backend.new()
     tokens = _churn(leases, [f"n{i}" for i in range(100_000)])
-    assert len(set(tokens)) == len(tokens)  # one store-wide sequence: no token twice
+    if backend.id != "redis-cluster":  # a cluster has a sequence per hash slot instead
+        assert len(set(tokens)) == len(tokens)  # one store-wide sequence: no token twice
     assert backend.records() <= backend.bookkeeping
 
 

@@ -343,21 +343,28 @@ class RedisLeases(LeaseProvider):
         """Map a redis-py error: an outage, or a refusal that no retry will fix."""
         exceptions = self._redis.exceptions
         text = str(exc)
-        permanent = isinstance(
-            exc,
-            exceptions.AuthenticationError
-            | exceptions.AuthenticationWrongNumberOfArgsError
-            | exceptions.NoPermissionError,
-        ) or (
-            isinstance(exc, exceptions.ResponseError)
-            and text.lstrip().startswith(_PERMANENT_REPLIES)
+        cluster_mismatch = isinstance(
+            exc, exceptions.ClusterCrossSlotError | exceptions.MovedError | exceptions.AskError
+        )
+        permanent = (
+            isinstance(
+                exc,
+                exceptions.AuthenticationError
+                | exceptions.AuthenticationWrongNumberOfArgsError
+                | exceptions.NoPermissionError,
+            )
+            or cluster_mismatch
+            or (
+                isinstance(exc, exceptions.ResponseError)
+                and text.lstrip().startswith(_PERMANENT_REPLIES)
+            )
         )
         if not permanent:
             return LeaseStoreUnavailable(
                 f"Redis lease store failed to {action}: {type(exc).__name__}: {exc} "
                 "(the provider reconnects once the server is reachable again)"
             )
-        if text.startswith(("MOVED", "ASK ", "CROSSSLOT")):
+        if cluster_mismatch or text.startswith(("MOVED", "ASK ", "CROSSSLOT")):
             fix = "the server is a Redis Cluster: pass cluster=True to RedisLeases"
         elif isinstance(exc, exceptions.NoPermissionError) or text.startswith("NOPERM"):
             fix = (
