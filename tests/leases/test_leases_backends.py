@@ -184,13 +184,27 @@ def test_postgres_accepts_a_schema_qualified_table(postgres_url: str) -> None:
 
 
 @pytest.mark.backend
-def test_postgres_non_durable_mode_still_works(postgres_url: str) -> None:
+def test_postgres_non_durable_mode_uses_an_unlogged_table_a_durable_provider_refuses(
+    postgres_url: str,
+) -> None:
+    import psycopg
+
+    from rxcoord.leases import LeaseStoreMisconfigured
+
     table = f"nd_{uuid.uuid4().hex[:8]}"
     try:
         with PostgresLeases(postgres_url, table=table, durable=False) as leases:
             lease = leases.try_acquire("n", 5.0)
             assert lease is not None
             lease.release()
+        with psycopg.connect(postgres_url) as conn:
+            row = conn.execute(
+                "SELECT relpersistence FROM pg_class WHERE oid = %s::regclass", (table,)
+            ).fetchone()
+        assert row == ("u",)  # what durable=False loses: a crash empties it (see the docs)
+        with PostgresLeases(postgres_url, table=table) as durable:
+            with pytest.raises(LeaseStoreMisconfigured, match="UNLOGGED"):
+                durable.try_acquire("n", 5.0)
     finally:
         drop_table(postgres_url, table)
 
@@ -198,6 +212,8 @@ def test_postgres_non_durable_mode_still_works(postgres_url: str) -> None:
 def test_redis_rejects_an_empty_prefix() -> None:
     with pytest.raises(ValueError, match="prefix"):
         RedisLeases("redis://127.0.0.1:1/0", prefix="")
+    with pytest.raises(ValueError, match="hash tag"):
+        RedisLeases("redis://127.0.0.1:1/0", prefix="a{b}:")
 
 
 def test_postgres_rejects_bad_pool_sizes() -> None:

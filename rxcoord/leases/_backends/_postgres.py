@@ -114,9 +114,16 @@ class PostgresLeases(LeaseProvider):
         timeout: Seconds one call may take (getting a pooled connection, connecting, and
             waiting for the server's answer) before failing with ``LeaseStoreUnavailable``;
             also the most ``close()`` waits for a server that does not answer.
-        durable: Commit grants with ``synchronous_commit=on`` (default), so a token can never
-            be handed out twice even if the server crashes. ``False`` (asynchronous commit)
-            roughly doubles throughput, but a server crash may forget the last grants.
+        durable: ``True`` (default): a logged table, grants committed with
+            ``synchronous_commit=on``: after a server crash every lease reported granted is
+            still held and no token is handed out twice. ``False``: the table is created
+            ``UNLOGGED`` and commits are asynchronous, several times faster, but a server
+            *crash* (not a clean restart) empties the table, so every lease held then is
+            forgotten and its name can be granted to a second holder, and the last tokens
+            handed out before it (those of the last ~0.2 s, the WAL writer's delay) may be
+            handed out again. A table is created in one mode: a durable provider refuses an
+            unlogged table (``LeaseStoreMisconfigured``), a non-durable one uses a logged table
+            it finds, with asynchronous commits.
         configure: Called with each new pooled connection (e.g. to ``SET application_name``).
 
     Limits: names of at most 2,048 bytes of UTF-8 (the primary key's B-tree takes entries of at
@@ -182,8 +189,10 @@ class PostgresLeases(LeaseProvider):
         def render(query: str) -> str:
             return sql.SQL(query).format(t=t, seq=seq, seqlit=seqlit).as_string(None)
 
+        self._durable = durable
         self._sql_create = render(
-            "CREATE TABLE IF NOT EXISTS {t} (name text PRIMARY KEY, token bigint NOT NULL, "
+            f"CREATE {'' if durable else 'UNLOGGED '}TABLE IF NOT EXISTS {{t}} "
+            "(name text PRIMARY KEY, token bigint NOT NULL, "
             "locked_until timestamptz NOT NULL, least_until timestamptz NOT NULL, "
             "released boolean NOT NULL, locked_at timestamptz NOT NULL, locked_by text NOT NULL)"
         )
@@ -369,14 +378,22 @@ class PostgresLeases(LeaseProvider):
                 if not (exists and exists[0]):
                     conn.execute(self._sql_create_seq)
                     conn.execute(self._sql_start_seq)
-                return conn.execute(
-                    "SELECT n.nspname, c.relname FROM pg_catalog.pg_class c "
+                row = conn.execute(
+                    "SELECT n.nspname, c.relname, c.relpersistence FROM pg_catalog.pg_class c "
                     "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
                     "WHERE c.oid = %s::regclass",
                     (self._table_literal,),
                 ).fetchone()
         finally:
             conn.close()
+        if row is not None and self._durable and row[2] == "u":
+            raise LeaseStoreMisconfigured(
+                f"PostgreSQL lease table {self.table!r} is UNLOGGED (created by a provider with "
+                "durable=False): a server crash would empty it, which a durable provider must "
+                "not allow [use another table, pass durable=False, or run ALTER TABLE ... SET "
+                "LOGGED]"
+            )
+        return row
 
     def _run(
         self,
