@@ -5,8 +5,8 @@ from __future__ import annotations
 import rxcoord
 from rxcoord import (
     CoordinatorClosed,
-    LeaseError,
     KeyedLocks,
+    LeaseError,
     LeaseLost,
     LeaseNotHeld,
     LeaseProviderClosed,

@@ -202,9 +202,11 @@ def test_postgres_non_durable_mode_uses_an_unlogged_table_a_durable_provider_ref
                 "SELECT relpersistence FROM pg_class WHERE oid = %s::regclass", (table,)
             ).fetchone()
         assert row == ("u",)  # what durable=False loses: a crash empties it (see the docs)
-        with PostgresLeases(postgres_url, table=table) as durable:
-            with pytest.raises(LeaseStoreMisconfigured, match="UNLOGGED"):
-                durable.try_acquire("n", 5.0)
+        with (
+            PostgresLeases(postgres_url, table=table) as durable,
+            pytest.raises(LeaseStoreMisconfigured, match="UNLOGGED"),
+        ):
+            durable.try_acquire("n", 5.0)
     finally:
         drop_table(postgres_url, table)
 
