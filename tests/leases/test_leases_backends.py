@@ -81,7 +81,12 @@ def test_postgres_needs_one_round_trip_per_operation(postgres_url: str, tmp_path
     trace = tmp_path / "trace.txt"
     try:
         with PostgresLeases(
-            postgres_url, table=table, min_size=1, max_size=1, configure=connections.append
+            postgres_url,
+            table=table,
+            min_size=1,
+            max_size=1,
+            configure=connections.append,
+            sweep_every=None,  # a background sweep would add its own round trip to the trace
         ) as leases:
             warm = leases.try_acquire("warm", 5.0)  # creates the table, prepares statements
             assert warm is not None

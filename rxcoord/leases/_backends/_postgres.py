@@ -125,6 +125,9 @@ class PostgresLeases(LeaseProvider):
             unlogged table (``LeaseStoreMisconfigured``), a non-durable one uses a logged table
             it finds, with asynchronous commits.
         configure: Called with each new pooled connection (e.g. to ``SET application_name``).
+        sweep_every: Seconds between sweeps of expired rows, run in the background after a
+            grant (one ``DELETE``, skipping rows being granted). None: never sweep (an expired
+            row then stays until its name is granted again).
 
     Limits: names of at most 2,048 bytes of UTF-8 (the primary key's B-tree takes entries of at
     most 2,704 bytes, row header included; longer names would be refused by the server),
@@ -154,9 +157,13 @@ class PostgresLeases(LeaseProvider):
         timeout: float = 5.0,
         durable: bool = True,
         configure: Callable[[psycopg.Connection[Any]], None] | None = None,
+        sweep_every: float | None = _SWEEP_EVERY,
     ) -> None:
         parts = check_table(table)
         self._timeout = check_duration("timeout", timeout)
+        self._sweep_every = (
+            None if sweep_every is None else check_duration("sweep_every", sweep_every)
+        )
         if not 0 <= min_size <= max_size or max_size < 1:
             raise ValueError(
                 f"need 0 <= min_size <= max_size and max_size >= 1, got {min_size}, {max_size}"
@@ -444,15 +451,18 @@ class PostgresLeases(LeaseProvider):
         return 0, max(0.0, float(remaining or 0.0))
 
     def _maybe_sweep(self) -> None:
-        """Delete expired rows in the background, at most every _SWEEP_EVERY seconds.
+        """Delete expired rows in the background, at most every ``sweep_every`` seconds.
 
         An expired row is a free name: deleting it changes nothing for anyone (the sequence,
         not the row, carries the tokens), so any provider may sweep any row.
         """
+        every = self._sweep_every
+        if every is None:
+            return
         now = monotonic()
         if now < self._next_sweep or self._sweeping:
             return
-        self._next_sweep = now + _SWEEP_EVERY
+        self._next_sweep = now + every
         self._sweeping = True
         self._background.submit(self._sweep)
 
