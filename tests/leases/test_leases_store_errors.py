@@ -196,3 +196,10 @@ def unused_port(tmp_path: Path) -> Iterator[int]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield sock.getsockname()[1]  # bound, never listening: connections are refused
+
+
+def test_a_malformed_postgres_connection_string_is_a_configuration_error() -> None:
+    with PostgresLeases("host=127.0.0.1 port=notaport", timeout=TIMEOUT) as leases:
+        error, elapsed = _refused(leases)
+    assert "port" in str(error)
+    assert elapsed < WELL_BEFORE_THE_TIMEOUT
