@@ -213,8 +213,14 @@ class LeaseProvider(Closeable):
         """
 
     @abstractmethod
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
-        """Release the grant (name, token) if unexpired and unreleased; False otherwise."""
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
+        """Release the grant (name, token) if unexpired and unreleased; False otherwise.
+
+        ``kept=False`` promises the grant had no ``at_least_for`` (so nothing is kept after the
+        release); a backend may then use a simpler statement. The default is always correct.
+        """
 
     @abstractmethod
     def _store_holder(self, name: str) -> tuple[int, float, bool] | None:
@@ -862,7 +868,7 @@ class LeaseProvider(Closeable):
     def _release_lease(self, lease: DistributedLease) -> bool:
         self._check_open()
         try:
-            return self._store_release(lease.name, lease.token)
+            return self._store_release(lease.name, lease.token, kept=lease.at_least_for > 0)
         except LeaseStoreUnavailable:
             with self._lock:
                 self._store_errors += 1

@@ -176,7 +176,9 @@ class MemoryLeases(LeaseProvider):
     ) -> bool:
         return self.store.extend(name, token, at_most_for)  # never blocks: no timeout needed
 
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
         return self.store.release(name, token)
 
     def _store_holder(self, name: str) -> tuple[int, float, bool] | None:

@@ -25,7 +25,8 @@ starts above the largest token in it; do not mix versions on one table.)
   clock_timestamp()``;
 * release: ``DELETE`` the owned row (``UPDATE`` it to released inside ``at_least_for``) and
   ``pg_notify`` the name's channel, in one statement (delivered at commit, i.e. exactly when
-  the release is visible).
+  the release is visible). Its commit is asynchronous in every mode: a release a crash undoes
+  only keeps the name taken until it expires (the next durable commit, a grant, flushes it).
 
 The server's ``clock_timestamp()`` decides expiry; clients only ever send durations.
 
@@ -219,8 +220,10 @@ class PostgresLeases(LeaseProvider):
             "locked_until = excluded.locked_until, least_until = excluded.least_until, "
             "released = false, locked_at = excluded.locked_at, locked_by = excluded.locked_by "
             "WHERE l.locked_until <= clock_timestamp() RETURNING l.token) "
-            "SELECT (SELECT token FROM granted), (SELECT extract(epoch FROM "
-            "c.locked_until - clock_timestamp())::float8 FROM {t} AS c WHERE c.name = %(name)s)"
+            # The holder's remaining time only when taken: CASE evaluates the subquery lazily.
+            "SELECT g.token, CASE WHEN g.token IS NULL THEN (SELECT extract(epoch FROM "
+            "c.locked_until - clock_timestamp())::float8 FROM {t} AS c WHERE c.name = %(name)s) "
+            "END FROM (SELECT (SELECT token FROM granted) AS token) AS g"
         )
         self._sql_holder = render(
             "SELECT token, extract(epoch FROM locked_until - clock_timestamp())::float8, "
@@ -235,14 +238,25 @@ class PostgresLeases(LeaseProvider):
             f"clock_timestamp() + make_interval(secs => %(most)s)) WHERE {owned}"
         )
         # One instant for both branches, so a row is either deleted or kept, never neither.
+        # The release commits asynchronously, even in durable mode (set_config(..., true) lasts
+        # for this statement's transaction; the commit reads it): a release undone by a crash
+        # only keeps the name taken until its expiry, it can never let two holders in, so it
+        # need not wait for the WAL flush. Grants and extensions do wait: an undone grant
+        # could hand its token out twice, an undone extension end a lease its holder trusts.
         self._sql_release = render(
             "WITH now AS (SELECT clock_timestamp() AS t), "
             f"gone AS (DELETE FROM {{t}} WHERE {owned} "
             "AND least_until <= (SELECT t FROM now) RETURNING 1), "
             "kept AS (UPDATE {t} SET locked_until = least_until, released = true "
             f"WHERE {owned} AND least_until > (SELECT t FROM now) RETURNING 1) "
-            "SELECT pg_notify(%(channel)s, '') FROM "
-            "(SELECT 1 FROM gone UNION ALL SELECT 1 FROM kept) AS released"
+            "SELECT pg_notify(%(channel)s, ''), set_config('synchronous_commit', 'off', true) "
+            "FROM (SELECT 1 FROM gone UNION ALL SELECT 1 FROM kept) AS released"
+        )
+        # A grant without at_least_for is never kept after its release: one DELETE.
+        self._sql_release_simple = render(
+            f"WITH gone AS (DELETE FROM {{t}} WHERE {owned} RETURNING 1) "
+            "SELECT pg_notify(%(channel)s, ''), set_config('synchronous_commit', 'off', true) "
+            "FROM gone"
         )
         # SKIP LOCKED: a row being granted right now is not expired any more; never wait for it.
         self._sql_sweep = render(
@@ -491,9 +505,11 @@ class PostgresLeases(LeaseProvider):
         )
         return count == 1
 
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
         row, _ = self._run(
-            self._sql_release,
+            self._sql_release if kept else self._sql_release_simple,
             {"name": name, "token": token, "channel": self._channel(name)},
             "release a lease",
             timeout,

@@ -421,7 +421,9 @@ class RedisLeases(LeaseProvider):
             )
         )
 
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
         key = f"{self.prefix}{{{name}}}"
         return bool(
             self._eval(

@@ -276,7 +276,9 @@ class SqliteLeases(LeaseProvider):
                 raise self._fail(exc, "extend a lease") from exc
         return cursor.rowcount == 1
 
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
         with self._locked(timeout, "release a lease") as conn:
             try:
                 cursor = conn.execute(self._sql_release_delete, (name, token))
