@@ -115,9 +115,10 @@ class PostgresLeases(LeaseProvider):
         timeout: Seconds one call may take (getting a pooled connection, connecting, and
             waiting for the server's answer) before failing with ``LeaseStoreUnavailable``;
             also the most ``close()`` waits for a server that does not answer.
-        durable: ``True`` (default): a logged table, grants committed with
+        durable: ``True`` (default): a logged table, grants and extensions committed with
             ``synchronous_commit=on``: after a server crash every lease reported granted is
-            still held and no token is handed out twice. ``False``: the table is created
+            still held and no token is handed out twice (releases commit asynchronously in
+            both modes: one undone by a crash keeps its name taken until it expires). ``False``: the table is created
             ``UNLOGGED`` and commits are asynchronous, several times faster, but a server
             *crash* (not a clean restart) empties the table, so every lease held then is
             forgotten and its name can be granted to a second holder, and the last tokens
