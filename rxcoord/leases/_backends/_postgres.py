@@ -52,6 +52,7 @@ import os
 import select
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Final
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = ["PostgresLeases"]
 
 _SCHEMA_LOCK: Final = 0x7278636F6F7264  # advisory lock key for table creation ("rxcoord")
+_IDLE: Final = 0  # psycopg.pq.TransactionStatus.IDLE, without importing psycopg at import time
 _SWEEP_EVERY: Final = 1.0  # seconds between sweeps of expired rows (per provider)
 _MAX_IDENTIFIER: Final = 63  # bytes; PostgreSQL truncates longer identifiers
 # SQLSTATE classes no retry can fix: authorization (28), catalog and schema names (3D, 3F),
@@ -118,9 +120,10 @@ class PostgresLeases(LeaseProvider):
         durable: ``True`` (default): a logged table, grants and extensions committed with
             ``synchronous_commit=on``: after a server crash every lease reported granted is
             still held and no token is handed out twice (releases commit asynchronously in
-            both modes: one undone by a crash keeps its name taken until it expires). ``False``: the table is created
-            ``UNLOGGED`` and commits are asynchronous, several times faster, but a server
-            *crash* (not a clean restart) empties the table, so every lease held then is
+            both modes: one undone by a crash keeps its name taken until it expires).
+            ``False``: the table is created ``UNLOGGED`` and commits are asynchronous,
+            several times faster, but a server *crash* (not a clean restart) empties the
+            table, so every lease held then is
             forgotten and its name can be granted to a second holder, and the last tokens
             handed out before it (those of the last ~0.2 s, the WAL writer's delay) may be
             handed out again. A table is created in one mode: a durable provider refuses an
@@ -297,6 +300,8 @@ class PostgresLeases(LeaseProvider):
             open=True,
         )
         self._connect_kwargs = connect_kwargs
+        self._idle: deque[DeadlineConnection] = deque()
+        self._draining = False
         self._configure_connection = configure_connection
         self._listener = _PgListener(
             lambda: self._hub, conninfo, connect_kwargs, self._timeout, self._channel
@@ -346,9 +351,16 @@ class PostgresLeases(LeaseProvider):
         return channel_for(resolved, name)
 
     def _getconn(self, deadline: float) -> DeadlineConnection:
+        # Idle connections wait in a deque of our own first: deque.pop/append are atomic, so
+        # the common case takes no lock, while psycopg-pool's getconn/putconn (locks, stats,
+        # its checks) cost about as much client time as a lease's own work. The pool still
+        # opens, counts (max_size) and closes every connection.
         # A few attempts: every idle connection may have been closed by a server restart.
         for _ in range(self._max_size + 1):
-            conn = self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                conn = self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
             if not _has_unexpected_input(conn):
                 conn.deadline = deadline
                 return conn
@@ -360,7 +372,21 @@ class PostgresLeases(LeaseProvider):
 
     def _putconn(self, conn: DeadlineConnection) -> None:
         conn.deadline = None
-        self._pool.putconn(conn)
+        if conn.closed or conn.pgconn.transaction_status != _IDLE or self._draining:
+            self._pool.putconn(conn)  # discarded or reset by the pool
+            return
+        self._idle.append(conn)
+        if self._draining:  # closed meanwhile: hand it back so the pool closes it
+            self._drain_idle()
+
+    def _drain_idle(self) -> None:
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return
+            with contextlib.suppress(Exception):
+                self._pool.putconn(conn)
 
     def _ensure_schema(self, deadline: float) -> None:
         if not self._schema_lock.acquire(timeout=max(0.0, deadline - monotonic())):
@@ -518,6 +544,8 @@ class PostgresLeases(LeaseProvider):
         return row is not None
 
     def _store_close(self) -> None:
+        self._draining = True
+        self._drain_idle()
         # Waits for the pool's worker, which may be connecting to a server that does not
         # answer, at most this long.
         self._pool.close(timeout=self._timeout)
@@ -575,6 +603,8 @@ class _PgListener(Listener):
         super().__init__(hub_ref, "rxcoord-postgres-lease-listener")
         self._conninfo = conninfo
         self._connect_kwargs = connect_kwargs
+        self._idle: deque[DeadlineConnection] = deque()
+        self._draining = False
         self._timeout = timeout
         self._channel_of = channel_of
         self._channels: dict[str, str] = {}  # channel -> name
