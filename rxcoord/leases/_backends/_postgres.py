@@ -449,8 +449,14 @@ class PostgresLeases(LeaseProvider):
         params: dict[str, object],
         action: str,
         timeout: float | None = None,
+        *,
+        rows: bool = True,
     ) -> tuple[Any, int]:
-        """Execute one statement within ``timeout`` (at most the provider's); (row, rowcount)."""
+        """Execute one statement within ``timeout`` (at most the provider's); (row, rowcount).
+
+        ``rows``: the statement returns rows (read the first). Said by the caller rather than
+        read from ``cursor.description``, which builds column objects on every call.
+        """
         errors = self._psycopg.Error
         budget = self._timeout if timeout is None else min(timeout, self._timeout)
         deadline = monotonic() + budget
@@ -461,7 +467,7 @@ class PostgresLeases(LeaseProvider):
                 conn = self._getconn(deadline)
                 try:
                     cursor = conn.execute(query, params, prepare=True)
-                    row = cursor.fetchone() if cursor.description is not None else None
+                    row = cursor.fetchone() if rows else None
                     return row, cursor.rowcount
                 finally:
                     self._putconn(conn)
@@ -509,7 +515,7 @@ class PostgresLeases(LeaseProvider):
 
     def _sweep(self) -> None:
         try:
-            self._run(self._sql_sweep, {}, "sweep expired leases")
+            self._run(self._sql_sweep, {}, "sweep expired leases", rows=False)
         except (LeaseStoreUnavailable, LeaseStoreMisconfigured):
             pass  # the next grant tries again; nothing depends on it
         finally:
@@ -529,6 +535,7 @@ class PostgresLeases(LeaseProvider):
             {"name": name, "token": token, "most": at_most_for},
             "extend a lease",
             timeout,
+            rows=False,
         )
         return count == 1
 
