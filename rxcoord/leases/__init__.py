@@ -10,10 +10,14 @@ short jobs from running twice across nodes. On top of it:
   using a lost lease raises :class:`LeaseLost`, never silently succeeds;
 * **keep-alive** - renewal every ``at_most_for / 3`` in the background, with loss reported;
 * **waiting without polling** - PostgreSQL ``LISTEN/NOTIFY`` and Redis pub/sub wake waiters on
-  release; every waiter also wakes when the holder's lease expires.
+  release; every waiter also wakes when the holder's lease expires;
+* **nothing left behind** - a name has a record in the store only while it is taken;
+* **the store's view** - ``provider.holder(name)`` and ``lease.verify()`` ask the store, where
+  ``lease.held`` is this process's view.
 
 Backends: :class:`MemoryLeases` (one process), :class:`SqliteLeases` (processes on one machine,
-the embedded default), :class:`PostgresLeases` and :class:`RedisLeases` (distributed)::
+the embedded default), :class:`PostgresLeases` and :class:`RedisLeases` (distributed; a Redis
+Cluster with ``cluster=True``)::
 
     from rxcoord.leases import SqliteLeases
 

@@ -9,7 +9,9 @@ store allows (Redis: one Lua script; PostgreSQL: one statement):
 * ``_store_extend(name, token, at_most_for) -> bool``: only for the grant (name, token), only
   while unexpired and unreleased;
 * ``_store_release(name, token) -> bool``: same condition; the name stays taken until
-  ``at_least_for`` after the grant; notifies waiters.
+  ``at_least_for`` after the grant; notifies waiters; leaves no record of the name behind
+  once it is free (tokens come from a store-wide sequence, not from the name's record);
+* ``_store_holder(name) -> (token, remaining, released) | None``: the store's current grant.
 
 Everything else lives here once: argument validation, the waiting loop, ``lock()``, keep-alive,
 ``run()`` (ShedLock's executor as an Observable), ``acquire_rx`` and the asyncio forms, the
