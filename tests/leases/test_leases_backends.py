@@ -345,3 +345,33 @@ def test_repr_names_the_backend_and_state(tmp_path: Path) -> None:
     assert "token=1" in repr(lease)
     leases.close()
     assert "closed" in repr(leases)
+
+
+@pytest.mark.backend
+def test_postgres_callers_waiting_for_a_connection_are_not_starved(postgres_url: str) -> None:
+    """Idle connections cycle through a deque in front of the pool: a caller blocked in the
+    pool must still get one (it once waited out its timeout while others reused them)."""
+    import threading
+
+    table = f"starve_{uuid.uuid4().hex[:8]}"
+    errors: list[Exception] = []
+
+    def work(leases: PostgresLeases, worker: int) -> None:
+        try:
+            for i in range(100):
+                lease = leases.try_acquire(f"n{worker}-{i}", 30.0)
+                assert lease is not None
+                lease.release()
+        except Exception as exc:
+            errors.append(exc)
+
+    try:
+        with PostgresLeases(postgres_url, table=table, max_size=2, timeout=2.0) as leases:
+            threads = [threading.Thread(target=work, args=(leases, n)) for n in range(12)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+    finally:
+        drop_table(postgres_url, table)
+    assert errors == []

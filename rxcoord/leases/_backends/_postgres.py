@@ -302,6 +302,8 @@ class PostgresLeases(LeaseProvider):
         self._connect_kwargs = connect_kwargs
         self._idle: deque[DeadlineConnection] = deque()
         self._draining = False
+        self._pool_waiters = 0  # callers blocked in the pool's getconn (see _checkout)
+        self._waiters_lock = threading.Lock()
         self._configure_connection = configure_connection
         self._listener = _PgListener(
             lambda: self._hub, conninfo, connect_kwargs, self._timeout, self._channel
@@ -357,27 +359,55 @@ class PostgresLeases(LeaseProvider):
         # opens, counts (max_size) and closes every connection.
         # A few attempts: every idle connection may have been closed by a server restart.
         for _ in range(self._max_size + 1):
-            try:
-                conn = self._idle.pop()
-            except IndexError:
-                conn = self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
+            conn = self._checkout(deadline)
             if not _has_unexpected_input(conn):
                 conn.deadline = deadline
                 return conn
             conn.close()  # the pool discards closed connections and opens a new one
             self._pool.putconn(conn)
-        conn = self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
+        conn = self._checkout(deadline)
         conn.deadline = deadline
         return conn
 
+    def _checkout(self, deadline: float) -> DeadlineConnection:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            pass
+        # Every connection may be out, some on their way back to the deque: announce that we
+        # wait in the pool, so that _putconn hands them to the pool (and so to us) instead.
+        with self._waiters_lock:
+            self._pool_waiters += 1
+        try:
+            try:
+                return self._idle.pop()  # returned between the first look and the announcement
+            except IndexError:
+                return self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
+        finally:
+            with self._waiters_lock:
+                self._pool_waiters -= 1
+
     def _putconn(self, conn: DeadlineConnection) -> None:
         conn.deadline = None
-        if conn.closed or conn.pgconn.transaction_status != _IDLE or self._draining:
-            self._pool.putconn(conn)  # discarded or reset by the pool
+        if (
+            conn.closed
+            or conn.pgconn.transaction_status != _IDLE
+            or self._draining
+            or self._pool_waiters
+        ):
+            self._pool.putconn(conn)  # discarded, reset, or handed to a waiter by the pool
             return
         self._idle.append(conn)
-        if self._draining:  # closed meanwhile: hand it back so the pool closes it
-            self._drain_idle()
+        # A caller may have announced itself after the check above and missed this connection
+        # in the deque (or the provider closed meanwhile): give one back to the pool then.
+        if self._pool_waiters or self._draining:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return
+            self._pool.putconn(conn)
+            if self._draining:
+                self._drain_idle()
 
     def _drain_idle(self) -> None:
         while True:
@@ -612,6 +642,8 @@ class _PgListener(Listener):
         self._connect_kwargs = connect_kwargs
         self._idle: deque[DeadlineConnection] = deque()
         self._draining = False
+        self._pool_waiters = 0  # callers blocked in the pool's getconn (see _checkout)
+        self._waiters_lock = threading.Lock()
         self._timeout = timeout
         self._channel_of = channel_of
         self._channels: dict[str, str] = {}  # channel -> name
