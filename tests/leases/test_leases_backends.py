@@ -375,3 +375,30 @@ def test_postgres_callers_waiting_for_a_connection_are_not_starved(postgres_url:
     finally:
         drop_table(postgres_url, table)
     assert errors == []
+
+
+@pytest.mark.backend
+def test_redis_leases_take_a_cluster_client_and_spread_names_over_the_nodes(
+    redis_cluster_url: str,
+) -> None:
+    from redis.cluster import RedisCluster
+
+    prefix = f"client:{uuid.uuid4().hex[:8]}:"
+    client = RedisCluster.from_url(redis_cluster_url)
+    try:
+        with RedisLeases(client=client, prefix=prefix) as leases:
+            assert leases.cluster  # implied by the client
+            held = [leases.try_acquire(f"n{i}", 5.0) for i in range(30)]
+            assert all(lease is not None for lease in held)
+            nodes = {
+                client.get_node_from_key(f"{prefix}{{n{i}}}").name  # type: ignore[no-untyped-call]
+                for i in range(30)
+            }
+            assert len(nodes) == 3  # the names really live on every master
+            for lease in held:
+                assert lease is not None
+                assert leases.holder(lease.name) is not None
+                lease.release()
+        assert client.ping()  # close() leaves the caller's client open
+    finally:
+        client.close()
