@@ -466,6 +466,18 @@ def test_names_up_to_the_documented_limit_are_stored(leases: LeaseProvider) -> N
     lease.release()
 
 
+def test_extend_beyond_the_stores_range_is_refused_at_the_call(
+    leases: LeaseProvider, name: str
+) -> None:
+    lease = leases.try_acquire(name, 5.0)
+    assert lease is not None
+    with pytest.raises(ValueError, match="at most"):
+        lease.extend(1e13)
+    assert lease.held  # nothing was sent, nothing changed
+    assert leases.stats().store_errors == 0
+    lease.release()
+
+
 def test_wrong_types_raise_type_error(leases: LeaseProvider) -> None:
     with pytest.raises(TypeError):
         leases.try_acquire(42, 1.0)  # type: ignore[arg-type]
