@@ -9,8 +9,12 @@ Redis (one server, one client process):
     (``time.monotonic`` is one system-wide clock on Linux, so the two processes' readings
     compare).
 PostgreSQL:
-    pairs per second for ``PostgresLeases`` (durable, and with ``durable=False``) against a plain
-    ``pg_try_advisory_lock`` / ``pg_advisory_unlock`` pair, and hand-off latency.
+    pairs per second for ``PostgresLeases`` (durable, and with ``durable=False``), each beside
+    the floor of its own approach measured in the same run (a hand-written lease row: one
+    prepared ``INSERT ... ON CONFLICT DO UPDATE ... RETURNING`` to grant, one ``UPDATE`` to
+    release, autocommit; on an unlogged table with ``synchronous_commit=off`` for
+    ``durable=False``), and a plain ``pg_try_advisory_lock`` / ``pg_advisory_unlock`` pair;
+    the rows left behind by distinct names acquired and released once each; hand-off latency.
 
 Repetitions alternate the contenders and the medians are printed with ratios: the machine is a
 noisy shared 2-core box, so only ratios within one run mean much. Usage::
@@ -305,11 +309,48 @@ def print_handoffs(results: dict[str, list[float]], reference: str) -> None:
 
 
 def postgres_contenders(url: str, table: str) -> tuple[dict[str, Pair], list[Any]]:
+    """Our two modes, each beside the floor of its own approach, and the advisory-lock pair.
+
+    The floors are what a hand-written lease row costs: one prepared ``INSERT ... ON CONFLICT
+    DO UPDATE ... RETURNING`` to grant (with the expiry check), one ``UPDATE`` to release, in
+    autocommit; on a logged table for the durable mode, on an unlogged table with
+    ``synchronous_commit=off`` for ``durable=False``. Each contender has a table of its own.
+    """
     import psycopg
 
-    durable = PostgresLeases(url, table=table)
-    fast = PostgresLeases(url, table=table, durable=False)
+    durable = PostgresLeases(url, table=f"{table}_d")
+    fast = PostgresLeases(url, table=f"{table}_f", durable=False)
     conn = psycopg.connect(url, autocommit=True)
+    floors: dict[str, Pair] = {}
+    closers: list[Any] = [durable, fast, conn]
+    for label, unlogged in (("durable", False), ("unlogged", True)):
+        floor_conn = psycopg.connect(url, autocommit=True)
+        closers.append(floor_conn)
+        relation = f'"{table}_floor_{label}"'
+        floor_conn.execute(
+            f"CREATE {'UNLOGGED ' if unlogged else ''}TABLE {relation} "
+            "(name text PRIMARY KEY, token bigint NOT NULL, until timestamptz NOT NULL)"
+        )
+        if unlogged:
+            floor_conn.execute("SET synchronous_commit = off")
+        grant = (
+            f"INSERT INTO {relation} AS l (name, token, until) VALUES "
+            "(%s, 1, clock_timestamp() + make_interval(secs => 30)) ON CONFLICT (name) DO "
+            "UPDATE SET token = l.token + 1, until = excluded.until "
+            "WHERE l.until <= clock_timestamp() RETURNING l.token"
+        )
+        release = (
+            f"UPDATE {relation} SET until = clock_timestamp() WHERE name = %s AND token = %s "
+            "AND until > clock_timestamp()"
+        )
+
+        def floor(c: Any = floor_conn, grant: str = grant, release: str = release) -> None:
+            row = c.execute(grant, ("bench",), prepare=True).fetchone()
+            assert row is not None
+            cursor = c.execute(release, ("bench", row[0]), prepare=True)
+            assert cursor.rowcount == 1
+
+        floors[label] = floor
 
     def lease_pair(leases: PostgresLeases) -> Pair:
         def pair() -> None:
@@ -327,10 +368,56 @@ def postgres_contenders(url: str, table: str) -> tuple[dict[str, Pair], list[Any
 
     contenders = {
         "PostgresLeases": lease_pair(durable),
+        "lease-row floor (durable)": floors["durable"],
         "PostgresLeases durable=False": lease_pair(fast),
+        "lease-row floor (unlogged)": floors["unlogged"],
         "pg_try_advisory_lock pair": advisory,
     }
-    return contenders, [durable, fast, conn]
+    return contenders, closers
+
+
+POSTGRES_GOALS: list[tuple[str, str, str, float]] = [
+    # (label, ours, theirs, at least)
+    ("durable >= 0.9x its lease-row floor", "PostgresLeases", "lease-row floor (durable)", 0.9),
+    (
+        "durable=False >= 0.9x its floor (unlogged, async commit)",
+        "PostgresLeases durable=False",
+        "lease-row floor (unlogged)",
+        0.9,
+    ),
+    ("durable >= 0.2x advisory pair", "PostgresLeases", "pg_try_advisory_lock pair", 0.2),
+    (
+        "durable=False >= 0.5x advisory pair",
+        "PostgresLeases durable=False",
+        "pg_try_advisory_lock pair",
+        0.5,
+    ),
+]
+
+
+def postgres_rows_left_behind(url: str, table: str, names: int) -> tuple[int, int]:
+    """Distinct names acquired and released once each; rows left in the table afterwards."""
+    import psycopg
+
+    with PostgresLeases(url, table=f"{table}_churn") as leases:
+        for i in range(names):
+            lease = leases.try_acquire(f"churn-{i}", 30.0)
+            assert lease is not None
+            lease.release()
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(f'SELECT count(*) FROM "{table}_churn"').fetchone()
+    return names, int(row[0]) if row else -1
+
+
+def drop_postgres_tables(url: str, table: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        for suffix in ("_d", "_f", "_churn"):
+            conn.execute(f'DROP TABLE IF EXISTS "{table}{suffix}"')
+            conn.execute(f'DROP SEQUENCE IF EXISTS "{table}{suffix}_token_seq"')
+        for label in ("durable", "unlogged"):
+            conn.execute(f'DROP TABLE IF EXISTS "{table}_floor_{label}"')
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -445,23 +532,35 @@ def bench_rows(
     else:
         table = f"bench_leases_{run}"
         contenders_pg, closers = postgres_contenders(postgres_url, table)
-        rates = measure(contenders_pg, max(100, pairs // 4), repeat)
-        for closer in closers:
-            closer.close()
-        import psycopg
-
-        with psycopg.connect(postgres_url, autocommit=True) as conn:
-            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
-        ours = statistics.median(rates["PostgresLeases"])
-        theirs = statistics.median(rates["pg_try_advisory_lock pair"])
+        try:
+            rates = measure(contenders_pg, max(100, pairs // 4), repeat)
+            churned, left = postgres_rows_left_behind(postgres_url, table, 200 if quick else 2000)
+        finally:
+            for closer in closers:
+                closer.close()
+            drop_postgres_tables(postgres_url, table)
+        for _, ours_name, theirs_name, at_least in POSTGRES_GOALS:
+            ours = statistics.median(rates[ours_name])
+            theirs = statistics.median(rates[theirs_name])
+            mode = ours_name.removeprefix("PostgresLeases").strip() or "durable"
+            rows.append(
+                (
+                    f"leases, PostgreSQL {mode}",
+                    f"{ours:,.0f} pairs/s",
+                    theirs_name,
+                    f"{theirs:,.0f} pairs/s",
+                    f"{ours / theirs:.2f}x",
+                    f">= {at_least}x",
+                )
+            )
         rows.append(
             (
-                "leases, PostgreSQL try_acquire+release",
-                f"{ours:,.0f} pairs/s",
-                "pg_try_advisory_lock pair",
-                f"{theirs:,.0f} pairs/s",
-                f"{ours / theirs:.2f}x",
+                "leases, PostgreSQL rows left behind",
+                f"{left} rows",
+                f"{churned:,} names acquired+released",
                 "",
+                "",
+                "0",
             )
         )
     return rows
@@ -540,17 +639,34 @@ def main() -> int:
         print(f"\nPostgreSQL: {args.postgres_url}")
         table = f"bench_leases_{run}"
         contenders_pg, closers = postgres_contenders(args.postgres_url, table)
-        results = measure(contenders_pg, max(100, args.pairs // 4), args.repeat)
-        print_rates("PostgreSQL try_acquire + release", results, "PostgresLeases")
-        handoffs = handoff_latencies(["PostgresLeases"], args.postgres_url, table, args.handoffs)
-        print_handoffs(handoffs, "PostgresLeases")
-        for closer in closers:
-            closer.close()
-        import psycopg
+        try:
+            results = measure(contenders_pg, max(100, args.pairs // 4), args.repeat)
+            print_rates("PostgreSQL try_acquire + release", results, "PostgresLeases")
+            print("\nGoals (each mode against the floor of its own approach, same run)")
+            for label, ours_name, theirs_name, target in POSTGRES_GOALS:
+                value = statistics.median(results[ours_name]) / statistics.median(
+                    results[theirs_name]
+                )
+                print(f"  {label:<56} {value:5.2f}x  {'met' if value >= target else 'MISSED'}")
+            churned, left = postgres_rows_left_behind(args.postgres_url, table, args.pairs)
+            print(
+                f"\nRows left behind: {left} after {churned:,} distinct names acquired and "
+                "released (goal: 0)"
+            )
+            handoffs = handoff_latencies(
+                ["PostgresLeases"], args.postgres_url, table, args.handoffs
+            )
+            print_handoffs(handoffs, "PostgresLeases")
+        finally:
+            for closer in closers:
+                closer.close()
+            drop_postgres_tables(args.postgres_url, table)
+            import psycopg
 
-        with psycopg.connect(args.postgres_url, autocommit=True) as conn:
-            for name in (table, pg_table(f"{table}0:")):
+            with psycopg.connect(args.postgres_url, autocommit=True) as conn:
+                name = pg_table(f"{table}0:")
                 conn.execute(f'DROP TABLE IF EXISTS "{name}"')
+                conn.execute(f'DROP SEQUENCE IF EXISTS "{name}_token_seq"')
     return 0
 
 

@@ -10,10 +10,14 @@ short jobs from running twice across nodes. On top of it:
   using a lost lease raises :class:`LeaseLost`, never silently succeeds;
 * **keep-alive** - renewal every ``at_most_for / 3`` in the background, with loss reported;
 * **waiting without polling** - PostgreSQL ``LISTEN/NOTIFY`` and Redis pub/sub wake waiters on
-  release; every waiter also wakes when the holder's lease expires.
+  release; every waiter also wakes when the holder's lease expires;
+* **nothing left behind** - a name has a record in the store only while it is taken;
+* **the store's view** - ``provider.holder(name)`` and ``lease.verify()`` ask the store, where
+  ``lease.held`` is this process's view.
 
 Backends: :class:`MemoryLeases` (one process), :class:`SqliteLeases` (processes on one machine,
-the embedded default), :class:`PostgresLeases` and :class:`RedisLeases` (distributed)::
+the embedded default), :class:`PostgresLeases` and :class:`RedisLeases` (distributed; a Redis
+Cluster with ``cluster=True``)::
 
     from rxcoord.leases import SqliteLeases
 
@@ -25,7 +29,10 @@ the embedded default), :class:`PostgresLeases` and :class:`RedisLeases` (distrib
 from rxcoord._errors import (
     LeaseError,
     LeaseLost,
+    LeaseNotHeld,
     LeaseProviderClosed,
+    LeaseReleasedError,
+    LeaseStoreMisconfigured,
     LeaseStoreUnavailable,
     LockTimeout,
     StaleToken,
@@ -37,7 +44,7 @@ from ._backends._redis import RedisLeases
 from ._backends._sqlite import SqliteLeases
 from ._base import LeaseProvider, LeaseProviderStats
 from ._fencing import FencingGuard, FencingGuardStats
-from ._lease import DistributedLease, LeaseStats
+from ._lease import DistributedLease, LeaseHolder, LeaseStats
 from ._url import leases_from_url
 
 __all__ = [
@@ -45,11 +52,15 @@ __all__ = [
     "FencingGuard",
     "FencingGuardStats",
     "LeaseError",
+    "LeaseHolder",
     "LeaseLost",
+    "LeaseNotHeld",
     "LeaseProvider",
     "LeaseProviderClosed",
     "LeaseProviderStats",
+    "LeaseReleasedError",
     "LeaseStats",
+    "LeaseStoreMisconfigured",
     "LeaseStoreUnavailable",
     "LockTimeout",
     "MemoryLeaseStore",

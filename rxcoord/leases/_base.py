@@ -9,7 +9,9 @@ store allows (Redis: one Lua script; PostgreSQL: one statement):
 * ``_store_extend(name, token, at_most_for) -> bool``: only for the grant (name, token), only
   while unexpired and unreleased;
 * ``_store_release(name, token) -> bool``: same condition; the name stays taken until
-  ``at_least_for`` after the grant; notifies waiters.
+  ``at_least_for`` after the grant; notifies waiters; leaves no record of the name behind
+  once it is free (tokens come from a store-wide sequence, not from the name's record);
+* ``_store_holder(name) -> (token, remaining, released) | None``: the store's current grant.
 
 Everything else lives here once: argument validation, ``lock()``, keep-alive, ``run()``
 (ShedLock's executor as an Observable), ``acquire_rx`` and the asyncio forms, the lifecycle
@@ -28,6 +30,7 @@ cancellation and close racing with the grant.
 from __future__ import annotations
 
 import threading
+import weakref
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
@@ -46,9 +49,9 @@ from rxcoord._core.lifecycle import Closeable
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
 
 from ._background import Background
-from ._lease import DistributedLease
+from ._lease import DistributedLease, LeaseHolder
 from ._notify import WaitHub
-from ._validate import check_lease_args, check_timeout
+from ._validate import MAX_DURATION, MAX_NAME_BYTES, check_lease_args, check_timeout
 from ._waiting import Failure, LeaseWait, Outcome, Waits
 
 __all__ = ["LeaseProvider", "LeaseProviderStats"]
@@ -128,6 +131,10 @@ class LeaseProvider(Closeable):
     # Seconds one round trip to the store may take (None: unbounded, a local store). Also the
     # most close() waits for background work and for releasing the leases still held.
     _op_timeout: float | None = None
+    #: The longest name this backend stores, in bytes of UTF-8 (checked at every call).
+    max_name_bytes: int = MAX_NAME_BYTES
+    #: The longest ``at_most_for``/``at_least_for`` in seconds (checked at every call).
+    max_duration: float = MAX_DURATION
 
     def __init__(self, hub: WaitHub, *, poll: tuple[float, float]) -> None:
         """Set up the shared machinery.
@@ -140,7 +147,9 @@ class LeaseProvider(Closeable):
         self._hub = hub
         self._lock = threading.Lock()
         self._state: ProviderState = _OPEN
-        self._held: set[DistributedLease] = set()
+        # Weak: a lease its holder dropped without releasing it must be collectable, so that its
+        # keep-alive stops and the name frees by at_most_for (see DistributedLease).
+        self._held: weakref.WeakSet[DistributedLease] = weakref.WeakSet()
         self._background = Background(f"rxcoord-{self.backend}-leases")
         # Waiting: name queues, timers on the shared timer thread, and a bounded worker pool
         # for the waiters' round trips (see _waiting.py). No thread per waiter.
@@ -177,8 +186,25 @@ class LeaseProvider(Closeable):
         """
 
     @abstractmethod
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
-        """Release the grant (name, token) if unexpired and unreleased; False otherwise."""
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
+        """Release the grant (name, token) if unexpired and unreleased; False otherwise.
+
+        ``kept=False`` promises the grant had no ``at_least_for`` (so nothing is kept after the
+        release); a backend may then use a simpler statement. The default is always correct.
+        """
+
+    @abstractmethod
+    def _store_holder(self, name: str) -> tuple[int, float, bool] | None:
+        """The store's current grant of ``name``: ``(token, remaining, released)`` or None.
+
+        One round trip. ``remaining`` is by the store's clock; ``released`` is True for a grant
+        released early that still keeps the name taken (``at_least_for``).
+
+        Raises:
+            LeaseStoreUnavailable, LeaseStoreMisconfigured: As the other primitives.
+        """
 
     @abstractmethod
     def _store_close(self) -> None:
@@ -219,7 +245,7 @@ class LeaseProvider(Closeable):
             LeaseStoreUnavailable: The store could not be reached.
             LeaseProviderClosed: The provider was closed.
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         result = self._attempt(name, most, least)
         if type(result) is float:
             return None
@@ -253,7 +279,7 @@ class LeaseProvider(Closeable):
             LeaseStoreUnavailable: The store could not be reached.
             LeaseProviderClosed: The provider was closed (also while waiting).
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait = check_timeout(timeout)
         deadline = None if wait is None else monotonic() + wait
         # The first attempt on the caller's thread: the uncontended path is one round trip.
@@ -297,6 +323,60 @@ class LeaseProvider(Closeable):
         with lease:
             yield lease
 
+    # -- the store's view -----------------------------------------------------------------------
+
+    def holder(self, name: str) -> LeaseHolder | None:
+        """Ask the store who holds ``name`` right now: None, or its current grant.
+
+        One round trip; the answer is the store's (token, and time left by the store's clock),
+        not this process's bookkeeping, so it sees grants made by other processes and expiries
+        this process has not noticed. It is a snapshot: the grant may end right after.
+
+        Raises:
+            ValueError, TypeError: Bad name (checked before the round trip).
+            LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (see the message).
+            LeaseProviderClosed: The provider was closed.
+        """
+        self._check_name(name)
+        return self._holder_of(name)
+
+    async def holder_async(self, name: str) -> LeaseHolder | None:
+        """:meth:`holder` for asyncio; the round trip runs in a worker thread."""
+        self._check_name(name)
+        return await asyncio.get_running_loop().run_in_executor(None, self._holder_of, name)
+
+    def _holder_of(self, name: str) -> LeaseHolder | None:
+        self._check_open()
+        try:
+            found = self._store_holder(name)
+        except LeaseStoreUnavailable:
+            with self._lock:
+                self._store_errors += 1
+            raise
+        if found is None:
+            return None
+        token, remaining, released = found
+        return LeaseHolder(name, token, max(0.0, remaining), released)
+
+    def _check_name(self, name: object) -> None:
+        check_lease_args(
+            name, 1.0, 0.0, max_name_bytes=self.max_name_bytes, backend=type(self).__name__
+        )
+
+    def _check_lease_args(
+        self, name: object, at_most_for: object, at_least_for: object
+    ) -> tuple[float, float]:
+        """check_lease_args with this backend's limits (every public call goes through it)."""
+        return check_lease_args(
+            name,
+            at_most_for,
+            at_least_for,
+            max_name_bytes=self.max_name_bytes,
+            max_duration=self.max_duration,
+            backend=type(self).__name__,
+        )
+
     # -- reactive forms -----------------------------------------------------------------------
 
     def run(
@@ -337,7 +417,7 @@ class LeaseProvider(Closeable):
         Raises:
             ValueError: Bad arguments (raised here, not on subscription).
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait_for = check_timeout(timeout)
 
         def subscribe(
@@ -432,7 +512,7 @@ class LeaseProvider(Closeable):
         Raises:
             ValueError: Bad arguments (raised here, not on subscription).
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait_for = check_timeout(timeout)
 
         def subscribe(
@@ -501,7 +581,7 @@ class LeaseProvider(Closeable):
 
         Cancelling the task while the round trip is in flight releases a lease it grants.
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         pending = self._waits.new(name, most, least, 0.0, skip_taken=True)
         lease = await self._wait_async(pending)
         if lease is not None and keep_alive:
@@ -523,7 +603,7 @@ class LeaseProvider(Closeable):
         the wait; a grant that was in flight at that moment is released in the background,
         never leaked.
         """
-        most, least = check_lease_args(name, at_most_for, at_least_for)
+        most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait = check_timeout(timeout)
         lease = await self._wait_async(self._waits.new(name, most, least, wait))
         assert lease is not None  # a taken name raised LockTimeout
@@ -722,7 +802,7 @@ class LeaseProvider(Closeable):
     def _release_lease(self, lease: DistributedLease) -> bool:
         self._check_open()
         try:
-            return self._store_release(lease.name, lease.token)
+            return self._store_release(lease.name, lease.token, kept=lease.at_least_for > 0)
         except LeaseStoreUnavailable:
             with self._lock:
                 self._store_errors += 1

@@ -71,10 +71,17 @@ class FencingGuard:
 
         Raises:
             StaleToken: ``token`` is lower than the highest token accepted for ``name``.
-            TypeError: ``token`` is not an int.
+            TypeError: ``token`` is not an int, or ``name`` not a str.
+            ValueError: ``token`` is negative (providers mint tokens from 1 up: a negative one
+                is a bug in the caller, and accepting it would let it pass every later check
+                of a fresh name).
         """
         if isinstance(token, bool) or not isinstance(token, int):
             raise TypeError(f"a fencing token is an int, not {token!r}")
+        if token < 0:
+            raise ValueError(f"a fencing token is >= 0 (leases mint them from 1), got {token}")
+        if not isinstance(name, str):
+            raise TypeError(f"a fenced name is a str, not {type(name).__name__}")
         with self._lock:
             highest = self._highest.get(name)
             if highest is not None and token < highest:

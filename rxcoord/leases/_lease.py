@@ -21,24 +21,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import monotonic
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 from loguru import logger
 from reactivex import Observable, abc
 from reactivex.disposable import Disposable
 
-from rxcoord._errors import LeaseError, LeaseLost, LeaseProviderClosed, LeaseStoreUnavailable
+from rxcoord._errors import (
+    LeaseError,
+    LeaseLost,
+    LeaseProviderClosed,
+    LeaseReleasedError,
+    LeaseStoreUnavailable,
+)
 
 from ._validate import check_duration
 
 if TYPE_CHECKING:
     from ._base import LeaseProvider
 
-__all__ = ["DistributedLease", "LeaseStats"]
+__all__ = ["DistributedLease", "LeaseHolder", "LeaseStats"]
 
 _HELD: Final = "held"
 _RELEASING: Final = "releasing"
@@ -70,6 +77,54 @@ class LeaseStats:
     expires_in: float
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseHolder:
+    """The store's current grant of a name, as :meth:`LeaseProvider.holder` read it.
+
+    Attributes:
+        name: The lease name.
+        token: The fencing token of the current grant.
+        remaining: Seconds until the grant expires, by the store's clock, when it was read.
+        released: True if the holder released it early and the name is only kept taken by
+            ``at_least_for``: nobody works under it any more, but it is not free yet.
+    """
+
+    name: str
+    token: int
+    remaining: float
+    released: bool
+
+
+class _Renewal:
+    """What keep-alive holds of a lease: a weak reference, so a dropped lease stops renewing.
+
+    The provider's background timers keep their tasks alive; if they held the lease itself, a
+    lease dropped without release would be renewed until the provider closed, keeping its name
+    for the process's lifetime. Through this handle the next renewal finds the lease gone, logs
+    a warning naming it, and stops: the name frees by ``at_most_for`` after the last renewal.
+    """
+
+    __slots__ = ("__weakref__", "_lease", "name", "token")
+
+    def __init__(self, lease: DistributedLease) -> None:
+        self._lease = weakref.ref(lease)
+        self.name = lease.name
+        self.token = lease.token
+
+    def _keep_alive_tick(self) -> float | None:
+        lease = self._lease()
+        if lease is None:
+            logger.warning(
+                "rxcoord lease {!r} (token {}) was dropped without release(): keep-alive "
+                "stopped, the name frees when the lease expires; release leases, or hold them "
+                "with `with provider.lock(...)`",
+                self.name,
+                self.token,
+            )
+            return None
+        return lease._keep_alive_tick()
+
+
 _LostCallback = Callable[[LeaseLost], object]
 _EndCallback = Callable[[], object]
 
@@ -93,6 +148,7 @@ class DistributedLease:
         "_lost_error",
         "_observers",
         "_provider",
+        "_renewal",
         "_settled",
         "_state",
         "at_least_for",
@@ -125,6 +181,7 @@ class DistributedLease:
         # Set when the lease leaves ``releasing``; created only when a closing provider has to
         # wait for a release in flight (see _release_on_close).
         self._settled: threading.Event | None = None
+        self._renewal: _Renewal | None = None  # created when keep-alive first starts
 
     def __repr__(self) -> str:
         return (
@@ -141,10 +198,11 @@ class DistributedLease:
 
     @property
     def held(self) -> bool:
-        """True until the lease is released or known to be lost.
+        """True until the lease is released or known to be lost: this process's local view.
 
-        A held lease may still have expired on the store (a long pause): check ``remaining``
-        or, better, let the resource check the fencing token.
+        It is not asked of the store: after a long pause the lease may have expired there and
+        been granted to another process while this still reads True. :meth:`verify` asks the
+        store (one round trip); a resource should check the fencing token.
         """
         return self._state is _HELD
 
@@ -155,8 +213,9 @@ class DistributedLease:
 
     @property
     def released(self) -> bool:
-        """True once ``release()`` succeeded."""
-        return self._state is _RELEASED
+        """True once a release was decided (``release()`` called, its round trip in flight or
+        done); False again only if that round trip failed and the lease is held again."""
+        return self._state is _RELEASED or self._state is _RELEASING
 
     @property
     def remaining(self) -> float:
@@ -194,7 +253,9 @@ class DistributedLease:
             ValueError: ``at_most_for <= 0``.
         """
         most = (
-            self.at_most_for if at_most_for is None else check_duration("at_most_for", at_most_for)
+            self.at_most_for
+            if at_most_for is None
+            else check_duration("at_most_for", at_most_for, maximum=self._provider.max_duration)
         )
         state = self._state
         if state is not _HELD:
@@ -217,7 +278,7 @@ class DistributedLease:
         if reschedule:
             # The pending renewal was timed for the old duration: a shorter lease would expire
             # before it, while it still reads as held.
-            self._provider._background.reschedule(self, most / 3)
+            self._provider._background.reschedule(self._renewal_handle(), most / 3)
 
     def release(self) -> None:
         """Give the lease back. One round trip.
@@ -226,11 +287,21 @@ class DistributedLease:
         are notified either way. Releasing also stops keep-alive.
 
         Raises:
+            LeaseReleasedError: The lease was already released (or its release is in flight):
+                nothing was lost, the first release is the one that counts.
             LeaseLost: The lease had expired or been taken over (then it was not ours to
-                release, and the other holder keeps it), or was already released.
+                release, and the other holder keeps it).
             LeaseStoreUnavailable: The store could not be reached; the lease is still held and
                 ``release()`` may be called again.
             LeaseProviderClosed: The provider was closed (and released the lease then).
+        """
+        self._finish_release(self._begin_release(forget_lost=True))
+
+    def _begin_release(self, *, forget_lost: bool) -> bool:
+        """Decide the release (``held`` -> ``releasing``); True if keep-alive was running.
+
+        Raises:
+            LeaseReleasedError, LeaseLost, LeaseProviderClosed: The lease is not held.
         """
         with self._lock:
             state = self._state
@@ -238,11 +309,15 @@ class DistributedLease:
                 self._state = _RELEASING
                 keep_alive, self._keep_alive = self._keep_alive, False
         if state is not _HELD:
-            if state is _LOST:
+            if state is _LOST and forget_lost:
                 self._provider._forget_quietly(self)
             raise self._not_held_error("release")
         if keep_alive:
-            self._provider._background.stop(self)
+            self._provider._background.stop(self._renewal_handle())
+        return keep_alive
+
+    def _finish_release(self, keep_alive: bool) -> None:
+        """The round trip of a release decided by :meth:`_begin_release`."""
         try:
             ok = self._provider._release_lease(self)
         except BaseException:
@@ -256,7 +331,7 @@ class DistributedLease:
                 # the lease is held again, and the provider releases it now.
                 settled.set()
             if keep_alive:
-                self._provider._background.start(self, self.at_most_for / 3)
+                self._provider._background.start(self._renewal_handle(), self.at_most_for / 3)
             raise
         if ok:
             self._end(_RELEASED, None, "")
@@ -269,14 +344,95 @@ class DistributedLease:
         raise error
 
     async def release_async(self) -> None:
-        """:meth:`release` for asyncio: the round trip runs in a worker thread."""
+        """:meth:`release` for asyncio: the round trip runs in a worker thread.
+
+        Cancel-safe: the release is decided on the calling task before the first ``await``, so
+        from then on the lease reads as released (``held`` False, ``released`` True) and a
+        cancellation of the task no longer stops it; the round trip finishes in the background
+        (a failure of it is logged, and the lease is held again). Calling ``release()`` or
+        ``release_async()`` again raises :class:`LeaseReleasedError`, never a false loss.
+
+        Raises:
+            As :meth:`release`.
+        """
         loop = asyncio.get_running_loop()
-        await asyncio.shield(loop.run_in_executor(None, self.release))
+        try:
+            keep_alive = self._begin_release(forget_lost=False)
+        except LeaseLost:
+            # The best-effort cleanup is a round trip: not on the event loop.
+            await loop.run_in_executor(None, self._provider._forget_quietly, self)
+            raise
+        future = loop.run_in_executor(None, self._finish_release, keep_alive)
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._log_orphaned_release)
+            raise
+
+    def _log_orphaned_release(self, future: asyncio.Future[None]) -> None:
+        # The release_async that started this round trip was cancelled: nobody else hears of it.
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is not None:
+            logger.warning(
+                "rxcoord lease {!r} (token {}): release after a cancelled release_async() "
+                "failed: {}",
+                self.name,
+                self.token,
+                exc,
+            )
 
     async def extend_async(self, at_most_for: float | None = None) -> None:
         """:meth:`extend` for asyncio: the round trip runs in a worker thread."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.extend, at_most_for)
+
+    def verify(self) -> bool:
+        """Ask the store whether this grant is still its current one. One round trip.
+
+        :attr:`held` is this process's view; this is the store's. If the store has another
+        grant of the name (a takeover after an expiry), or none (it expired), the lease is
+        marked lost (``on_lost``/``when_lost`` are told) and False is returned. If it is still
+        current, the local expiry estimate is corrected by the store's remaining time.
+
+        Returns:
+            True if the store still has this grant; False if the lease is lost.
+
+        Raises:
+            LeaseReleasedError: The lease was released by its holder.
+            LeaseStoreUnavailable: The store could not be reached (nothing is concluded).
+            LeaseStoreMisconfigured: The store refused for good.
+            LeaseProviderClosed: The provider was closed.
+        """
+        state = self._state
+        if state is _LOST:
+            return False
+        if state is not _HELD:
+            raise self._not_held_error("verify")
+        sent = monotonic()
+        current = self._provider._holder_of(self.name)
+        if current is not None and current.token == self.token and not current.released:
+            with self._lock:
+                if self._state is _HELD:
+                    self._expires = min(self._expires, sent + current.remaining)
+            return True
+        if current is None:
+            seen = "the store has no grant of the name (it expired)"
+        elif current.token == self.token:
+            seen = "the store has it as released"
+        else:
+            seen = f"the store has granted it again, with token {current.token}"
+        error = LeaseLost(
+            f"lease {self.name!r} (token {self.token}) is no longer the current grant: {seen}; "
+            "work done under it may overlap a newer holder's"
+        )
+        self._end(_LOST, error, "verify() found it is no longer the store's grant", held_only=True)
+        return self._state is _HELD  # False, unless released concurrently (then it raised above)
+
+    async def verify_async(self) -> bool:
+        """:meth:`verify` for asyncio: the round trip runs in a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.verify)
 
     def _release_quietly(self) -> None:
         """Release if still held; log instead of raising (cleanup after another error)."""
@@ -341,8 +497,9 @@ class DistributedLease:
             )
             lost.__cause__ = self._lost_error
             return lost
-        return LeaseLost(
-            f"cannot {action} lease {self.name!r} (token {self.token}): it was already released"
+        return LeaseReleasedError(
+            f"cannot {action} lease {self.name!r} (token {self.token}): it was already released "
+            "(a second release is a bug in the caller, but nothing was lost)"
         )
 
     # -- keep-alive ---------------------------------------------------------------------------
@@ -371,18 +528,27 @@ class DistributedLease:
             else:
                 state_ok = True
                 already, self._keep_alive = self._keep_alive, True
+                if self._renewal is None:
+                    self._renewal = _Renewal(self)
         if not state_ok:
             raise self._not_held_error("keep alive")
         if not already:
             self._provider._check_open()
-            self._provider._background.start(self, self.at_most_for / 3)
+            self._provider._background.start(self._renewal_handle(), self.at_most_for / 3)
 
     def stop_keep_alive(self) -> None:
         """Stop background renewal (the lease then expires ``at_most_for`` after its last one)."""
         with self._lock:
             was, self._keep_alive = self._keep_alive, False
         if was:
-            self._provider._background.stop(self)
+            self._provider._background.stop(self._renewal_handle())
+
+    def _renewal_handle(self) -> DistributedLease:
+        """What the background timers hold of this lease (see :class:`_Renewal`)."""
+        renewal = self._renewal
+        assert renewal is not None, "keep-alive was started, so the handle exists"
+        # Background only ever calls _keep_alive_tick() on what it is given.
+        return cast("DistributedLease", cast(Any, renewal))
 
     def _keep_alive_tick(self) -> float | None:
         """Renew once (on the provider's background executor); the delay until the next try."""
@@ -485,10 +651,16 @@ class DistributedLease:
 
         return unregister
 
-    def _end(self, state: LeaseState, error: LeaseLost | None, reason: str) -> None:
-        """Move to ``released`` or ``lost`` (once) and tell whoever asked."""
+    def _end(
+        self, state: LeaseState, error: LeaseLost | None, reason: str, *, held_only: bool = False
+    ) -> None:
+        """Move to ``released`` or ``lost`` (once) and tell whoever asked.
+
+        ``held_only``: only from ``held`` (a release decided meanwhile wins over a verdict
+        reached without it).
+        """
         with self._lock:
-            if self._state is not _HELD and self._state is not _RELEASING:
+            if self._state is not _HELD and (held_only or self._state is not _RELEASING):
                 return
             self._state = state
             self._lost_error = error
@@ -498,7 +670,7 @@ class DistributedLease:
         if settled is not None:
             settled.set()
         if keep_alive:
-            self._provider._background.stop(self)
+            self._provider._background.stop(self._renewal_handle())
         self._provider._lease_ended(self, lost=error is not None)
         if error is not None:
             logger.warning("rxcoord lease {!r} (token {}) lost: {}", self.name, self.token, reason)

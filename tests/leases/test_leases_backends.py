@@ -81,14 +81,20 @@ def test_postgres_needs_one_round_trip_per_operation(postgres_url: str, tmp_path
     trace = tmp_path / "trace.txt"
     try:
         with PostgresLeases(
-            postgres_url, table=table, min_size=1, max_size=1, configure=connections.append
+            postgres_url,
+            table=table,
+            min_size=1,
+            max_size=1,
+            configure=connections.append,
+            sweep_every=None,  # a background sweep would add its own round trip to the trace
         ) as leases:
             warm = leases.try_acquire("warm", 5.0)  # creates the table, prepares statements
             assert warm is not None
             assert leases.try_acquire("warm", 5.0) is None
             warm.extend()
             warm.release()
-            (conn,) = connections
+            # The table is set up on a connection of its own (closed since): trace the pool's.
+            (conn,) = [c for c in connections if not c.closed]
             with trace.open("w") as out:
                 conn.pgconn.trace(out.fileno())
                 conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
@@ -135,7 +141,7 @@ def test_sqlite_uses_the_configured_table_and_creates_it_idempotently(tmp_path: 
             row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
         ]
     conn.close()
-    assert tables == ["custom_leases"]
+    assert tables == ["custom_leases", "custom_leases_seq"]  # the lease rows, the token sequence
 
 
 @pytest.mark.backend
@@ -183,13 +189,29 @@ def test_postgres_accepts_a_schema_qualified_table(postgres_url: str) -> None:
 
 
 @pytest.mark.backend
-def test_postgres_non_durable_mode_still_works(postgres_url: str) -> None:
+def test_postgres_non_durable_mode_uses_an_unlogged_table_a_durable_provider_refuses(
+    postgres_url: str,
+) -> None:
+    import psycopg
+
+    from rxcoord.leases import LeaseStoreMisconfigured
+
     table = f"nd_{uuid.uuid4().hex[:8]}"
     try:
         with PostgresLeases(postgres_url, table=table, durable=False) as leases:
             lease = leases.try_acquire("n", 5.0)
             assert lease is not None
             lease.release()
+        with psycopg.connect(postgres_url) as conn:
+            row = conn.execute(
+                "SELECT relpersistence FROM pg_class WHERE oid = %s::regclass", (table,)
+            ).fetchone()
+        assert row == ("u",)  # what durable=False loses: a crash empties it (see the docs)
+        with (
+            PostgresLeases(postgres_url, table=table) as durable,
+            pytest.raises(LeaseStoreMisconfigured, match="UNLOGGED"),
+        ):
+            durable.try_acquire("n", 5.0)
     finally:
         drop_table(postgres_url, table)
 
@@ -197,6 +219,8 @@ def test_postgres_non_durable_mode_still_works(postgres_url: str) -> None:
 def test_redis_rejects_an_empty_prefix() -> None:
     with pytest.raises(ValueError, match="prefix"):
         RedisLeases("redis://127.0.0.1:1/0", prefix="")
+    with pytest.raises(ValueError, match="hash tag"):
+        RedisLeases("redis://127.0.0.1:1/0", prefix="a{b}:")
 
 
 def test_postgres_rejects_bad_pool_sizes() -> None:
@@ -238,7 +262,7 @@ def test_memory_store_expiry_and_at_least_for_in_virtual_time() -> None:
         clock.now += 9.0  # 12 s after the grant, 9 s after the extension
         assert b.try_acquire("n", 10.0) is None
         third.release()
-        assert store.stats() == MemoryLeaseStoreStats(names=1, held=0, providers=2)
+        assert store.stats() == MemoryLeaseStoreStats(names=0, held=0, providers=2)
     assert store.stats().providers == 0  # detached on close
 
 
@@ -303,12 +327,13 @@ def test_an_unreachable_postgres_is_a_clear_error(unreachable_port: int) -> None
         leases.try_acquire("n", 1.0)
 
 
-def test_an_unopenable_sqlite_file_is_a_clear_error(tmp_path: Path) -> None:
-    from rxcoord.leases import LeaseStoreUnavailable
+def test_an_unopenable_sqlite_file_is_a_clear_error_and_not_an_outage(tmp_path: Path) -> None:
+    from rxcoord.leases import LeaseStoreMisconfigured
 
     with SqliteLeases(tmp_path / "missing" / "dir" / "x.db") as leases:
-        with pytest.raises(LeaseStoreUnavailable, match="SQLite lease store") as caught:
+        with pytest.raises(LeaseStoreMisconfigured, match="directory exists") as caught:
             leases.try_acquire("n", 1.0)
+        assert not isinstance(caught.value, ConnectionError)  # retry loops must not spin on it
         assert isinstance(caught.value.__cause__, sqlite3.Error)
 
 
@@ -320,3 +345,60 @@ def test_repr_names_the_backend_and_state(tmp_path: Path) -> None:
     assert "token=1" in repr(lease)
     leases.close()
     assert "closed" in repr(leases)
+
+
+@pytest.mark.backend
+def test_postgres_callers_waiting_for_a_connection_are_not_starved(postgres_url: str) -> None:
+    """Idle connections cycle through a deque in front of the pool: a caller blocked in the
+    pool must still get one (it once waited out its timeout while others reused them)."""
+    import threading
+
+    table = f"starve_{uuid.uuid4().hex[:8]}"
+    errors: list[Exception] = []
+
+    def work(leases: PostgresLeases, worker: int) -> None:
+        try:
+            for i in range(100):
+                lease = leases.try_acquire(f"n{worker}-{i}", 30.0)
+                assert lease is not None
+                lease.release()
+        except Exception as exc:
+            errors.append(exc)
+
+    try:
+        with PostgresLeases(postgres_url, table=table, max_size=2, timeout=2.0) as leases:
+            threads = [threading.Thread(target=work, args=(leases, n)) for n in range(12)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+    finally:
+        drop_table(postgres_url, table)
+    assert errors == []
+
+
+@pytest.mark.backend
+def test_redis_leases_take_a_cluster_client_and_spread_names_over_the_nodes(
+    redis_cluster_url: str,
+) -> None:
+    from redis.cluster import RedisCluster
+
+    prefix = f"client:{uuid.uuid4().hex[:8]}:"
+    client = RedisCluster.from_url(redis_cluster_url)
+    try:
+        with RedisLeases(client=client, prefix=prefix) as leases:
+            assert leases.cluster  # implied by the client
+            held = [leases.try_acquire(f"n{i}", 5.0) for i in range(30)]
+            assert all(lease is not None for lease in held)
+            nodes = {
+                client.get_node_from_key(f"{prefix}{{n{i}}}").name  # type: ignore[no-untyped-call]
+                for i in range(30)
+            }
+            assert len(nodes) == 3  # the names really live on every master
+            for lease in held:
+                assert lease is not None
+                assert leases.holder(lease.name) is not None
+                lease.release()
+        assert client.ping()  # close() leaves the caller's client open
+    finally:
+        client.close()

@@ -7,18 +7,25 @@ of the same run as a ratio.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from loguru import logger
 from reactivex import abc
 
+from rxcoord import TenantTaskCoordinator
 from rxcoord.leases import (
     DistributedLease,
     LeaseLost,
+    LeaseNotHeld,
     LeaseProvider,
     LeaseProviderClosed,
+    LeaseReleasedError,
     LockTimeout,
 )
 
@@ -230,14 +237,21 @@ def test_an_expired_lease_is_lost_even_if_nobody_took_it(leases: LeaseProvider, 
     assert lease.lost
 
 
-def test_using_a_released_lease_raises_lease_lost(leases: LeaseProvider, name: str) -> None:
+def test_using_a_released_lease_raises_lease_released_error(
+    leases: LeaseProvider, name: str
+) -> None:
+    """A double release is the caller's bug, not a loss: the same error as KeyedLocks raises."""
     lease = leases.try_acquire(name, 5.0)
     assert lease is not None
     lease.release()
-    with pytest.raises(LeaseLost, match="already released"):
+    with pytest.raises(LeaseReleasedError, match="already released") as caught:
         lease.release()
-    with pytest.raises(LeaseLost, match="already released"):
+    assert not isinstance(caught.value, LeaseLost)
+    assert isinstance(caught.value, LeaseNotHeld)
+    with pytest.raises(LeaseReleasedError, match="already released"):
         lease.extend()
+    with pytest.raises(LeaseReleasedError):
+        lease.verify()
     assert not lease.lost
 
 
@@ -382,21 +396,29 @@ def test_waiting_does_not_poll_a_store_that_notifies(backend: Backend, name: str
     ("args", "message"),
     [
         (("", 1.0, 0.0), "empty"),
-        (("x" * 1025, 1.0, 0.0), "at most"),
+        (("TOO-LONG-ASCII", 1.0, 0.0), "bytes of UTF-8"),
+        (("TOO-LONG-UTF8", 1.0, 0.0), "bytes of UTF-8"),
+        (("\ud800", 1.0, 0.0), "UTF-8"),
         (("a\x00b", 1.0, 0.0), "NUL"),
         (("n", 0.0, 0.0), "at_most_for"),
         (("n", -1.0, 0.0), "at_most_for"),
         (("n", float("inf"), 0.0), "finite"),
+        (("n", 1e13, 0.0), "at most"),
+        (("n", 1e17, 0.0), "at most"),
         (("n", 1.0, -0.1), "at_least_for"),
         (("n", 1.0, 2.0), "must not exceed"),
     ],
     ids=[
         "empty",
         "too-long",
+        "too-many-bytes",
+        "surrogate",
         "nul",
         "zero",
         "negative",
         "infinite",
+        "beyond-the-store-1e13",
+        "beyond-the-store-1e17",
         "negative-least",
         "least>most",
     ],
@@ -404,13 +426,56 @@ def test_waiting_does_not_poll_a_store_that_notifies(backend: Backend, name: str
 def test_bad_arguments_raise_value_error(
     leases: LeaseProvider, args: tuple[str, float, float], message: str
 ) -> None:
+    """Refused at the call, before any round trip: never reported as a store outage.
+
+    The names are one byte over the backend's documented limit: ASCII, and two-byte
+    characters (under the limit in characters, over it in bytes).
+    """
+    limit = leases.max_name_bytes
+    if args[0] == "TOO-LONG-ASCII":
+        args = ("x" * (limit + 1), *args[1:])
+    elif args[0] == "TOO-LONG-UTF8":
+        args = ("é" * (limit // 2 + 1), *args[1:])
     with pytest.raises(ValueError, match=message):
         leases.try_acquire(*args)
     with pytest.raises(ValueError, match=message):
         leases.acquire(*args, timeout=1)
     with pytest.raises(ValueError, match=message):
         leases.run(args[0], lambda _: None, at_most_for=args[1], at_least_for=args[2])
-    assert leases.stats().granted == 0
+    with pytest.raises(ValueError, match=message):
+        leases.acquire_rx(args[0], at_most_for=args[1], at_least_for=args[2])
+    if args[1] == 1.0 and args[2] == 0.0:  # the name is the bad part
+        with pytest.raises(ValueError, match=message):
+            leases.holder(args[0])
+    stats = leases.stats()
+    assert stats.granted == 0
+    assert stats.store_errors == 0
+
+
+def test_names_up_to_the_documented_limit_are_stored(leases: LeaseProvider) -> None:
+    """The limit is real: a name of exactly max_name_bytes (3-byte characters) works."""
+    name = "€" * (leases.max_name_bytes // 3)
+    lease = leases.try_acquire(name, 5.0)
+    assert lease is not None
+    holder = leases.holder(name)
+    assert holder is not None
+    assert holder.token == lease.token
+    lease.release()
+    lease = leases.try_acquire("n", leases.max_duration)  # the longest lease the store takes
+    assert lease is not None
+    lease.release()
+
+
+def test_extend_beyond_the_stores_range_is_refused_at_the_call(
+    leases: LeaseProvider, name: str
+) -> None:
+    lease = leases.try_acquire(name, 5.0)
+    assert lease is not None
+    with pytest.raises(ValueError, match="at most"):
+        lease.extend(1e13)
+    assert lease.held  # nothing was sent, nothing changed
+    assert leases.stats().store_errors == 0
+    lease.release()
 
 
 def test_wrong_types_raise_type_error(leases: LeaseProvider) -> None:
@@ -509,7 +574,7 @@ def test_stats_count_what_happened(backend: Backend, name: str) -> None:
     assert provider.try_acquire(name, 5.0) is None
     lease.extend()
     stats = provider.stats()
-    assert (stats.backend, stats.state, stats.held) == (backend.id, "open", 1)
+    assert (stats.backend, stats.state, stats.held) == (backend.name, "open", 1)
     assert (stats.granted, stats.busy, stats.extended) == (1, 1, 1)
     lease.release()
     stats = provider.stats()
@@ -641,3 +706,234 @@ def test_a_loss_callback_may_close_the_provider(backend: Backend, name: str) -> 
     assert closed.wait(5)
     assert provider.closed
     thief.release()
+
+
+# -- nothing left behind (issue 13, 1) ------------------------------------------------------
+
+
+def _churn(leases: LeaseProvider, names: list[str], *, threads: int = 4) -> list[int]:
+    """Acquire and release every name once, through the public API, a few threads at once."""
+
+    def pair(name: str) -> int:
+        lease = leases.try_acquire(name, 30.0)
+        assert lease is not None, name
+        lease.release()
+        return lease.token
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(pair, names, chunksize=256))
+
+
+def test_released_and_expired_names_leave_nothing_behind(backend: Backend, name: str) -> None:
+    leases = backend.new()
+    _churn(leases, [f"{name}-{i}" for i in range(100)])
+    assert backend.records() <= backend.bookkeeping  # released: deleted at once
+    kept = [leases.try_acquire(f"{name}-least-{i}", 5.0, at_least_for=0.2) for i in range(5)]
+    expiring = [leases.try_acquire(f"{name}-exp-{i}", 0.2) for i in range(5)]
+    for lease in kept:
+        assert lease is not None
+        lease.release()
+    assert all(lease is not None for lease in expiring)
+    time.sleep(0.2 + MARGIN)
+    # Expired and at_least_for rows go once a later grant sweeps them (at most once a second;
+    # Redis and memory need no sweep: keys expire, records are dropped when found expired).
+    deadline = time.monotonic() + 10.0
+    while backend.records() > backend.bookkeeping and time.monotonic() < deadline:
+        lease = leases.try_acquire(f"{name}-sweeper", 5.0)
+        assert lease is not None
+        lease.release()
+        time.sleep(0.1)
+    assert backend.records() <= backend.bookkeeping
+    assert all(leases.holder(f"{name}-exp-{i}") is None for i in range(5))
+
+
+def test_tokens_of_a_name_increase_although_its_record_is_deleted(
+    backend: Backend, name: str
+) -> None:
+    first = backend.new()
+    tokens = []
+    for round_ in range(3):
+        lease = first.try_acquire(name, 5.0)
+        assert lease is not None
+        tokens.append(lease.token)
+        lease.release()
+        assert first.holder(name) is None  # the record is gone...
+        _churn(first, [f"{name}-other-{round_}-{i}" for i in range(3)], threads=1)
+    restarted = backend.new()  # ...and a new client starts above every earlier token
+    lease = restarted.try_acquire(name, 0.2)
+    assert lease is not None
+    tokens.append(lease.token)
+    time.sleep(0.2 + MARGIN)  # expired, never released
+    again = restarted.try_acquire(name, 5.0)
+    assert again is not None
+    tokens.append(again.token)
+    again.release()
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == len(tokens)
+
+
+@pytest.mark.slow
+def test_100000_names_leave_at_most_the_bookkeeping_behind(backend: Backend) -> None:
+    # SQLite: durable=False spares 200,000 fsyncs; what is deleted does not depend on it.
+    leases = backend.new(durable=False) if backend.id == "sqlite" else backend.new()
+    tokens = _churn(leases, [f"n{i}" for i in range(100_000)])
+    if backend.id != "redis-cluster":  # a cluster has a sequence per hash slot instead
+        assert len(set(tokens)) == len(tokens)  # one store-wide sequence: no token twice
+    assert backend.records() <= backend.bookkeeping
+
+
+@pytest.mark.slow
+def test_10000_customers_through_a_leased_coordinator_leave_nothing_behind(
+    backend: Backend,
+) -> None:
+    leases = backend.new(durable=False) if backend.id == "sqlite" else backend.new()
+    coordinator = TenantTaskCoordinator(
+        max_concurrency=8, max_queue_size=10_000, name="orders", leases=leases
+    )
+    done = threading.Semaphore(0)
+    errors: list[Exception] = []
+
+    def failed(error: Exception) -> None:
+        errors.append(error)
+        done.release()
+
+    try:
+        for customer in range(10_000):
+            coordinator.execute(lambda: None, key=f"customer-{customer}").subscribe(
+                on_completed=done.release, on_error=failed
+            )
+        for _ in range(10_000):
+            assert done.acquire(timeout=60)
+    finally:
+        coordinator.close()
+    assert errors == []
+    assert leases.stats().granted >= 10_000
+    assert backend.records() <= backend.bookkeeping
+
+
+# -- the store's view (issue 13, 3) ---------------------------------------------------------
+
+
+def test_holder_reports_the_stores_current_grant(backend: Backend, name: str) -> None:
+    mine, other = backend.new(), backend.new()
+    assert other.holder(name) is None
+    lease = mine.try_acquire(name, 5.0)
+    assert lease is not None
+    seen = other.holder(name)  # another client's view: the store's, not local bookkeeping
+    assert seen is not None
+    assert (seen.name, seen.token, seen.released) == (name, lease.token, False)
+    assert 0 < seen.remaining <= 5.0
+    lease.release()
+    assert other.holder(name) is None
+    kept = mine.try_acquire(name, 5.0, at_least_for=0.5)
+    assert kept is not None
+    kept.release()
+    seen = other.holder(name)  # released, but at_least_for keeps the name taken
+    assert seen is not None
+    assert (seen.token, seen.released) == (kept.token, True)
+    assert seen.remaining <= 0.5
+
+
+def test_verify_finds_an_expiry_and_a_takeover_that_held_does_not_see(
+    backend: Backend, name: str
+) -> None:
+    mine, other = backend.new(), backend.new()
+    old = mine.try_acquire(name, 0.3)
+    assert old is not None
+    assert old.verify()
+    losses: list[LeaseLost] = []
+    old.on_lost(losses.append)
+    time.sleep(0.3 + MARGIN)
+    new = other.try_acquire(name, 5.0)
+    assert new is not None
+    assert old.held  # the local view: nothing told this process
+    assert not old.verify()  # the store's view: someone else's grant
+    assert old.lost
+    assert len(losses) == 1
+    assert f"token {new.token}" in str(losses[0])
+    assert new.verify()
+    new.release()
+    with pytest.raises(LeaseReleasedError):
+        new.verify()
+
+
+async def test_holder_and_verify_have_async_forms(backend: Backend, name: str) -> None:
+    leases = backend.new()
+    assert await leases.holder_async(name) is None
+    lease = await leases.acquire_async(name, 5.0)
+    seen = await leases.holder_async(name)
+    assert seen is not None
+    assert seen.token == lease.token
+    assert await lease.verify_async()
+    await lease.release_async()
+
+
+# -- forgotten leases end (issue 13, 4) -----------------------------------------------------
+
+
+def test_a_dropped_lease_stops_its_keep_alive_and_frees_by_at_most_for(
+    backend: Backend, name: str
+) -> None:
+    warnings: list[str] = []
+    sink = logger.add(warnings.append, level="WARNING", format="{message}")
+    logger.enable("rxcoord")
+    try:
+        holder = backend.new()
+        lease = holder.acquire(name, at_most_for=0.6, keep_alive=True)
+        token = lease.token
+        del lease  # dropped without release(): nobody can release it any more
+        gc.collect()
+        other = backend.new()
+        # Renewed forever, the name would never free; stopped, it frees within at_most_for.
+        again = other.acquire(name, 5.0, timeout=10.0)
+        assert again.token > token
+        again.release()
+        wait_until(lambda: holder.stats().keep_alive == 0, what="keep-alive to stop")
+        assert holder.stats().held == 0
+        assert any(name in line and "dropped without release" in line for line in warnings)
+    finally:
+        logger.disable("rxcoord")
+        logger.remove(sink)
+
+
+# -- cancel-safe release (issue 13, 5) ------------------------------------------------------
+
+
+async def test_a_cancelled_release_async_still_releases_and_a_retry_loses_nothing(
+    backend: Backend, name: str
+) -> None:
+    leases, other = backend.new(), backend.new()
+    lease = await leases.acquire_async(name, 30.0, keep_alive=True)
+    loop = asyncio.get_running_loop()
+    # One busy worker: the release's round trip has to queue behind it, so the cancellation
+    # below arrives while the release is decided but not yet done.
+    gate = threading.Event()
+    executor = ThreadPoolExecutor(1)
+    loop.set_default_executor(executor)
+    blocker = loop.run_in_executor(None, gate.wait, 10.0)
+    try:
+        task = asyncio.create_task(lease.release_async())
+        await asyncio.sleep(0)  # the task runs up to its first await
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not lease.held  # decided: it reads as released at once
+        assert lease.released
+        with pytest.raises(LeaseReleasedError):  # a retry: never a false LeaseLost
+            await lease.release_async()
+        with pytest.raises(LeaseReleasedError):
+            lease.release()
+    finally:
+        gate.set()
+        await blocker
+    for _ in range(5000):  # the round trip runs once the worker is free
+        if lease.state == "released":
+            break
+        await asyncio.sleep(0.002)
+    assert lease.state == "released"
+    assert not lease.lost
+    assert await other.holder_async(name) is None
+    again = await other.try_acquire_async(name, 5.0)
+    assert again is not None
+    await again.release_async()
+    assert leases.stats().lost == 0

@@ -206,6 +206,7 @@ def test_tokens_survive_a_store_crash(store: Store) -> None:
     lease = first.try_acquire(name, 5.0)
     assert lease is not None
     lease.release()
+    assert first.holder(name) is None  # its row is deleted: the sequence carries the tokens
     unreleased = first.try_acquire(name, 0.3)  # granted and committed, never released
     assert unreleased is not None
     store.crash()
@@ -232,11 +233,15 @@ def test_redis_tokens_survive_a_crash_with_fsynced_persistence(
     import os
     import signal
 
+    import redis
+
     name = f"job-{uuid.uuid4().hex[:8]}"
     with RedisLeases(persistent_redis.url, timeout=2.0) as leases:
         lease = leases.try_acquire(name, 5.0)
         assert lease is not None
         lease.release()
+        with redis.Redis.from_url(persistent_redis.url) as client:
+            assert client.keys("rxcoord:lease:*") == [b"rxcoord:lease:seq"]  # nothing per name
         assert persistent_redis.proc is not None
         os.kill(persistent_redis.proc.pid, signal.SIGKILL)  # a crash, no shutdown save
         persistent_redis.proc.wait(10)

@@ -78,3 +78,15 @@ def test_a_paused_holders_write_is_refused(backend: Backend, name: str) -> None:
     with pytest.raises(StaleToken):
         write(client1.token, "from client 1")  # wakes up believing it still holds the lease
     assert storage == [(client2.token, "from client 2")]
+
+
+def test_the_guard_refuses_a_negative_token_or_a_bad_name_at_the_call() -> None:
+    guard = FencingGuard()
+    with pytest.raises(ValueError, match=">= 0"):
+        guard.check("n", -1)
+    with pytest.raises(TypeError, match="str"):
+        guard.check(None, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="int"):
+        guard.check("n", True)
+    assert guard.highest("n") is None  # nothing was recorded
+    assert guard.stats().accepted == 0

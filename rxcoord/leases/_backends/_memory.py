@@ -2,7 +2,14 @@
 
 The store is a dict guarded by a lock; its clock (``time.monotonic`` unless given) decides
 expiry. Every release goes through the store, so it wakes waiters of every provider attached to
-it directly: the hub is authoritative and nobody polls. Tokens live as long as the store object.
+it directly: the hub is authoritative and nobody polls.
+
+Nothing is left behind: a record exists only while its name is taken. A release (outside
+``at_least_for``) deletes it at once; records that expired are swept when the dict has doubled
+since the last sweep, or by the first grant a second after the last one (amortized O(1) per
+grant). Tokens come from one store-wide counter, so
+they keep increasing per name however often its record is deleted; they live as long as the
+store object.
 """
 
 from __future__ import annotations
@@ -18,13 +25,16 @@ from .._notify import WaitHub
 
 __all__ = ["MemoryLeaseStore", "MemoryLeaseStoreStats", "MemoryLeases"]
 
+_SWEEP_EVERY = 1.0  # store-clock seconds between time-based sweeps of expired records
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryLeaseStoreStats:
     """A snapshot of a :class:`MemoryLeaseStore`.
 
     Attributes:
-        names: Names ever granted (each keeps its token counter).
+        names: Names with a record: taken, or expired and not swept yet (see the module
+            docstring); 0 once every lease was released.
         held: Names whose lease is currently unexpired (released ones inside ``at_least_for``
             included: they are still taken).
         providers: Open providers attached to the store.
@@ -38,8 +48,8 @@ class MemoryLeaseStoreStats:
 class _Record:
     __slots__ = ("least", "released", "token", "until")
 
-    def __init__(self) -> None:
-        self.token = 0
+    def __init__(self, token: int) -> None:
+        self.token = token
         self.until = float("-inf")
         self.least = float("-inf")
         self.released = False
@@ -57,6 +67,9 @@ class MemoryLeaseStore:
         self.clock = clock
         self._lock = threading.Lock()
         self._records: dict[str, _Record] = {}
+        self._last_token = 0  # store-wide: every grant of any name takes the next one
+        self._sweep_at = 64  # sweep expired records when the dict reaches this size...
+        self._sweep_after = clock() + _SWEEP_EVERY  # ...or, on a grant, once this has passed
         self._hubs: weakref.WeakSet[WaitHub] = weakref.WeakSet()
 
     def attach(self, hub: WaitHub) -> None:
@@ -78,15 +91,34 @@ class MemoryLeaseStore:
         with self._lock:
             now = self.clock()
             record = self._records.get(name)
-            if record is None:
-                record = self._records[name] = _Record()
-            elif record.until > now:
+            if record is not None and record.until > now:
                 return 0, record.until - now
-            record.token += 1
+            self._last_token += 1
+            if record is None:
+                if len(self._records) >= self._sweep_at or now >= self._sweep_after:
+                    self._sweep(now)
+                record = self._records[name] = _Record(self._last_token)
+            record.token = self._last_token
             record.until = now + most
             record.least = now + least
             record.released = False
             return record.token, 0.0
+
+    def _sweep(self, now: float) -> None:
+        """Drop expired records (under the lock); the next sweep when the dict has doubled."""
+        expired = [name for name, record in self._records.items() if record.until <= now]
+        for name in expired:
+            del self._records[name]
+        self._sweep_at = max(64, 2 * len(self._records))
+        self._sweep_after = now + _SWEEP_EVERY
+
+    def holder(self, name: str) -> tuple[int, float, bool] | None:
+        with self._lock:
+            now = self.clock()
+            record = self._records.get(name)
+            if record is None or record.until <= now:
+                return None
+            return record.token, record.until - now, record.released
 
     def extend(self, name: str, token: int, most: float) -> bool:
         with self._lock:
@@ -103,8 +135,11 @@ class MemoryLeaseStore:
             record = self._records.get(name)
             if record is None or not _owned(record, token, now):
                 return False
-            record.until = max(record.least, now)
-            record.released = True
+            if record.least > now:
+                record.until = record.least  # still taken until at_least_for has passed
+                record.released = True
+            else:
+                del self._records[name]
             hubs = list(self._hubs)
         for hub in hubs:
             hub.notify(name)
@@ -141,8 +176,13 @@ class MemoryLeases(LeaseProvider):
     ) -> bool:
         return self.store.extend(name, token, at_most_for)  # never blocks: no timeout needed
 
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
         return self.store.release(name, token)
+
+    def _store_holder(self, name: str) -> tuple[int, float, bool] | None:
+        return self.store.holder(name)
 
     def _store_close(self) -> None:
         self.store.detach(self._hub)

@@ -21,6 +21,7 @@ they let the kernel notice a dead peer on idle connections too, such as the list
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import select
 import threading
@@ -28,6 +29,8 @@ from time import monotonic
 from typing import Any, Final
 
 import psycopg
+import psycopg.errors
+import psycopg.waiting
 from psycopg import pq
 from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict
@@ -40,6 +43,32 @@ _EVENTS: Final = {1: select.POLLIN, 2: select.POLLOUT, 3: select.POLLIN | select
 _READY_R: Final = 1
 _READY_W: Final = 2
 _BAD: Final = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+def _fast_wait() -> Any:
+    """psycopg's C wait loop, when it takes a deadline (psycopg >= 3.3 with psycopg-binary).
+
+    Driving the protocol from Python (``_wait`` below) costs about as much client CPU as the
+    rest of a lease operation; the C loop with ``timeout`` has the same semantics: it gives up
+    with ``_WaitTimeout`` once ``timeout`` seconds have passed.
+    """
+    wait_c = getattr(psycopg.waiting, "wait_c", None)
+    timeout_error = getattr(psycopg.errors, "_WaitTimeout", None)
+    if wait_c is None or timeout_error is None:
+        return None
+    try:
+        if "timeout" not in inspect.signature(wait_c).parameters:
+            return None
+    except (TypeError, ValueError):
+        return None
+
+    def wait(gen: PQGen[Any], fileno: int, interval: float, timeout: float) -> Any:
+        try:
+            return wait_c(gen, fileno, interval, timeout)
+        except timeout_error:
+            raise _Expired from None
+
+    return wait
 
 
 class StatementTimeout(psycopg.OperationalError):
@@ -70,6 +99,9 @@ class DeadlineConnection(psycopg.Connection[Any]):
         if deadline is None:
             deadline = monotonic() + self.default_timeout
         try:
+            if _FAST_WAIT is not None:
+                left = max(0.0, deadline - monotonic())
+                return _FAST_WAIT(gen, self.pgconn.socket, left, left)
             return _wait(gen, self.pgconn.socket, deadline)
         except _Expired:
             self._abandon()
@@ -97,6 +129,9 @@ class DeadlineConnection(psycopg.Connection[Any]):
                 name="rxcoord-postgres-cancel",
                 daemon=True,
             ).start()
+
+
+_FAST_WAIT: Final = _fast_wait()
 
 
 def keepalive_kwargs(conninfo: str, timeout: float) -> dict[str, Any]:

@@ -5,16 +5,28 @@ Table (created if missing, under an advisory lock so concurrent first starts do 
     name text PRIMARY KEY, token bigint, locked_until timestamptz, least_until timestamptz,
     released boolean, locked_at timestamptz, locked_by text
 
-Rows are never deleted: the row *is* the per-name token counter, so tokens survive releases,
-client restarts and (committed with ``synchronous_commit=on``) server restarts and crashes.
+and a sequence ``<table>_token_seq``. A row exists only while its name is taken: release
+deletes it (or, inside ``at_least_for``, marks it released until then), and rows that expired
+are swept in the background at most once a second, so names nobody holds leave nothing
+behind. Tokens come from the store-wide sequence, not from the row, so deleting a row cannot
+reset a name's tokens: they increase across releases, expiries, client restarts and (committed
+with ``synchronous_commit=on``) server restarts and crashes. The sequence's WAL record is
+flushed with the commit of the grant that used it, and after a crash a sequence resumes above
+every value it logged, so a token reported by a durable grant is never handed out again.
+(A table written by a version that kept a counter per row: the sequence, created on first use,
+starts above the largest token in it; do not mix versions on one table.)
 
-* grant: ``INSERT ... ON CONFLICT (name) DO UPDATE SET token = token + 1 ... WHERE
-  locked_until <= clock_timestamp() RETURNING token``. The row lock serializes competing
-  grants; a loser re-checks the winner's row and gets nothing. The same statement reads the
-  current holder's remaining time for the waiter's deadline.
-* extend / release: ``UPDATE ... WHERE name AND token AND NOT released AND locked_until >
-  clock_timestamp()``; release also sends ``pg_notify`` on the name's channel in the same
-  statement (delivered at commit, i.e. exactly when the release is visible).
+* grant: ``INSERT ... VALUES (name, nextval(seq), ...) ON CONFLICT (name) DO UPDATE SET token =
+  excluded.token ... WHERE locked_until <= clock_timestamp() RETURNING token``. The row lock
+  serializes competing grants; a loser re-checks the winner's row and gets nothing (its
+  ``nextval`` is a gap in the sequence, which nobody minds: tokens only need to increase).
+  The same statement reads the current holder's remaining time for the waiter's deadline.
+* extend: ``UPDATE ... WHERE name AND token AND NOT released AND locked_until >
+  clock_timestamp()``;
+* release: ``DELETE`` the owned row (``UPDATE`` it to released inside ``at_least_for``) and
+  ``pg_notify`` the name's channel, in one statement (delivered at commit, i.e. exactly when
+  the release is visible). Its commit is asynchronous in every mode: a release a crash undoes
+  only keeps the name taken until it expires (the next durable commit, a grant, flushes it).
 
 The server's ``clock_timestamp()`` decides expiry; clients only ever send durations.
 
@@ -40,16 +52,17 @@ import os
 import select
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Final
 
-from rxcoord._errors import LeaseStoreUnavailable
+from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
 from .._notify import Listener, WaitHub
 from .._validate import check_duration, check_table
-from ._drivers import require
+from ._drivers import require, route_driver_logs
 
 if TYPE_CHECKING:
     import psycopg
@@ -60,6 +73,31 @@ if TYPE_CHECKING:
 __all__ = ["PostgresLeases"]
 
 _SCHEMA_LOCK: Final = 0x7278636F6F7264  # advisory lock key for table creation ("rxcoord")
+_IDLE: Final = 0  # psycopg.pq.TransactionStatus.IDLE, without importing psycopg at import time
+_SWEEP_EVERY: Final = 1.0  # seconds between sweeps of expired rows (per provider)
+_MAX_IDENTIFIER: Final = 63  # bytes; PostgreSQL truncates longer identifiers
+# SQLSTATE classes no retry can fix: authorization (28), catalog and schema names (3D, 3F),
+# syntax and access rules (42: a missing privilege, a table that is not ours), data exceptions
+# (22), program limits (54), features (0A). Everything else (connection failures 08,
+# resources 53, operator intervention 57 such as a server shutting down, lock and
+# serialization failures 40 and 55, our own statement timeout) is an outage.
+_PERMANENT_SQLSTATE_CLASSES: Final = ("28", "3D", "3F", "42", "22", "54", "0A")
+# libpq reports connection-time refusals without an SQLSTATE: recognise them by their text.
+_PERMANENT_CONNECT_ERRORS: Final = (
+    "password authentication failed",
+    "does not exist",  # role "x" / database "x" does not exist
+    "no pg_hba.conf entry",
+    "authentication failed",  # peer, ident, SCRAM...
+    "no password supplied",
+    "permission denied",
+    "not permitted to log in",
+    "server does not support ssl",
+    "certificate",
+    "invalid connection option",
+    "invalid sslmode",
+    "invalid integer value",
+    'missing "=" after',
+)
 
 
 def channel_for(table: tuple[str, str], name: str) -> str:
@@ -79,10 +117,32 @@ class PostgresLeases(LeaseProvider):
         timeout: Seconds one call may take (getting a pooled connection, connecting, and
             waiting for the server's answer) before failing with ``LeaseStoreUnavailable``;
             also the most ``close()`` waits for a server that does not answer.
-        durable: Commit grants with ``synchronous_commit=on`` (default), so a token can never
-            be handed out twice even if the server crashes. ``False`` (asynchronous commit)
-            roughly doubles throughput, but a server crash may forget the last grants.
+        durable: ``True`` (default): a logged table, grants and extensions committed with
+            ``synchronous_commit=on``: after a server crash every lease reported granted is
+            still held and no token is handed out twice (releases commit asynchronously in
+            both modes: one undone by a crash keeps its name taken until it expires).
+            ``False``: the table is created ``UNLOGGED`` and commits are asynchronous,
+            several times faster, but a server *crash* (not a clean restart) empties the
+            table, so every lease held then is
+            forgotten and its name can be granted to a second holder, and the last tokens
+            handed out before it (those of the last ~0.2 s, the WAL writer's delay) may be
+            handed out again. A table is created in one mode: a durable provider refuses an
+            unlogged table (``LeaseStoreMisconfigured``), a non-durable one uses a logged table
+            it finds, with asynchronous commits.
         configure: Called with each new pooled connection (e.g. to ``SET application_name``).
+        sweep_every: Seconds between sweeps of expired rows, run in the background after a
+            grant (one ``DELETE``, skipping rows being granted). None: never sweep (an expired
+            row then stays until its name is granted again).
+
+    Limits: names of at most 2,048 bytes of UTF-8 (the primary key's B-tree takes entries of at
+    most 2,704 bytes, row header included; longer names would be refused by the server),
+    durations of at most 1e9 seconds.
+
+    Errors: an outage (connection refused or reset, a server that does not answer, shuts down
+    or restarts) raises ``LeaseStoreUnavailable``; a refusal no retry can fix (wrong password,
+    unknown role or database, a missing privilege, a malformed connection string) raises
+    ``LeaseStoreMisconfigured`` at the first call, after one connection attempt. psycopg's and
+    psycopg-pool's log records go to loguru under ``rxcoord`` (silent unless enabled).
 
     Raises:
         ImportError: psycopg is missing (``pip install rxcoord[postgres]``).
@@ -90,6 +150,7 @@ class PostgresLeases(LeaseProvider):
     """
 
     backend = "postgres"
+    max_name_bytes = 2048
 
     def __init__(
         self,
@@ -101,15 +162,20 @@ class PostgresLeases(LeaseProvider):
         timeout: float = 5.0,
         durable: bool = True,
         configure: Callable[[psycopg.Connection[Any]], None] | None = None,
+        sweep_every: float | None = _SWEEP_EVERY,
     ) -> None:
         parts = check_table(table)
         self._timeout = check_duration("timeout", timeout)
+        self._sweep_every = (
+            None if sweep_every is None else check_duration("sweep_every", sweep_every)
+        )
         if not 0 <= min_size <= max_size or max_size < 1:
             raise ValueError(
                 f"need 0 <= min_size <= max_size and max_size >= 1, got {min_size}, {max_size}"
             )
         psycopg_mod = require("psycopg", "postgres")
         pool_mod = require("psycopg_pool", "postgres")
+        route_driver_logs("psycopg")
         from psycopg import sql
 
         from ._pg_deadline import DeadlineConnection, keepalive_kwargs
@@ -127,25 +193,45 @@ class PostgresLeases(LeaseProvider):
         t = sql.Identifier(*parts)
         self._table_literal = t.as_string(None)  # '"schema"."table"', for ::regclass
 
-        def render(query: str) -> str:
-            return sql.SQL(query).format(t=t).as_string(None)
+        seq_name = _truncate_identifier(parts[-1], "_token_seq")
+        seq = sql.Identifier(*parts[:-1], seq_name)
+        self._seq_name_literal = seq.as_string(None)
+        seqlit = sql.Literal(self._seq_name_literal)  # for ::regclass
 
+        def render(query: str) -> str:
+            return sql.SQL(query).format(t=t, seq=seq, seqlit=seqlit).as_string(None)
+
+        self._durable = durable
         self._sql_create = render(
-            "CREATE TABLE IF NOT EXISTS {t} (name text PRIMARY KEY, token bigint NOT NULL, "
+            f"CREATE {'' if durable else 'UNLOGGED '}TABLE IF NOT EXISTS {{t}} "
+            "(name text PRIMARY KEY, token bigint NOT NULL, "
             "locked_until timestamptz NOT NULL, least_until timestamptz NOT NULL, "
             "released boolean NOT NULL, locked_at timestamptz NOT NULL, locked_by text NOT NULL)"
+        )
+        self._sql_create_seq = render("CREATE SEQUENCE {seq}")
+        # Only for a sequence this transaction created: nobody else uses it before the commit.
+        self._sql_start_seq = render(
+            "SELECT setval({seqlit}::regclass, m) FROM (SELECT max(token) AS m FROM {t}) AS x "
+            "WHERE m IS NOT NULL"
         )
         self._sql_grant = render(
             "WITH granted AS (INSERT INTO {t} AS l "
             "(name, token, locked_until, least_until, released, locked_at, locked_by) "
-            "VALUES (%(name)s, 1, clock_timestamp() + make_interval(secs => %(most)s), "
+            "VALUES (%(name)s, nextval({seqlit}::regclass), "
+            "clock_timestamp() + make_interval(secs => %(most)s), "
             "clock_timestamp() + make_interval(secs => %(least)s), false, clock_timestamp(), "
-            "%(by)s) ON CONFLICT (name) DO UPDATE SET token = l.token + 1, "
+            "%(by)s) ON CONFLICT (name) DO UPDATE SET token = excluded.token, "
             "locked_until = excluded.locked_until, least_until = excluded.least_until, "
             "released = false, locked_at = excluded.locked_at, locked_by = excluded.locked_by "
             "WHERE l.locked_until <= clock_timestamp() RETURNING l.token) "
-            "SELECT (SELECT token FROM granted), (SELECT extract(epoch FROM "
-            "c.locked_until - clock_timestamp())::float8 FROM {t} AS c WHERE c.name = %(name)s)"
+            # The holder's remaining time only when taken: CASE evaluates the subquery lazily.
+            "SELECT g.token, CASE WHEN g.token IS NULL THEN (SELECT extract(epoch FROM "
+            "c.locked_until - clock_timestamp())::float8 FROM {t} AS c WHERE c.name = %(name)s) "
+            "END FROM (SELECT (SELECT token FROM granted) AS token) AS g"
+        )
+        self._sql_holder = render(
+            "SELECT token, extract(epoch FROM locked_until - clock_timestamp())::float8, "
+            "released FROM {t} WHERE name = %(name)s AND locked_until > clock_timestamp()"
         )
         owned = (
             "name = %(name)s AND token = %(token)s AND NOT released "
@@ -155,11 +241,34 @@ class PostgresLeases(LeaseProvider):
             "UPDATE {t} SET locked_until = greatest(least_until, "
             f"clock_timestamp() + make_interval(secs => %(most)s)) WHERE {owned}"
         )
+        # One instant for both branches, so a row is either deleted or kept, never neither.
+        # The release commits asynchronously, even in durable mode (set_config(..., true) lasts
+        # for this statement's transaction; the commit reads it): a release undone by a crash
+        # only keeps the name taken until its expiry, it can never let two holders in, so it
+        # need not wait for the WAL flush. Grants and extensions do wait: an undone grant
+        # could hand its token out twice, an undone extension end a lease its holder trusts.
         self._sql_release = render(
-            "WITH released AS (UPDATE {t} SET locked_until = greatest(least_until, "
-            f"clock_timestamp()), released = true WHERE {owned} RETURNING 1) "
-            "SELECT pg_notify(%(channel)s, '') FROM released"
+            "WITH now AS (SELECT clock_timestamp() AS t), "
+            f"gone AS (DELETE FROM {{t}} WHERE {owned} "
+            "AND least_until <= (SELECT t FROM now) RETURNING 1), "
+            "kept AS (UPDATE {t} SET locked_until = least_until, released = true "
+            f"WHERE {owned} AND least_until > (SELECT t FROM now) RETURNING 1) "
+            "SELECT pg_notify(%(channel)s, ''), set_config('synchronous_commit', 'off', true) "
+            "FROM (SELECT 1 FROM gone UNION ALL SELECT 1 FROM kept) AS released"
         )
+        # A grant without at_least_for is never kept after its release: one DELETE.
+        self._sql_release_simple = render(
+            f"WITH gone AS (DELETE FROM {{t}} WHERE {owned} RETURNING 1) "
+            "SELECT pg_notify(%(channel)s, ''), set_config('synchronous_commit', 'off', true) "
+            "FROM gone"
+        )
+        # SKIP LOCKED: a row being granted right now is not expired any more; never wait for it.
+        self._sql_sweep = render(
+            "DELETE FROM {t} WHERE name IN (SELECT name FROM {t} "
+            "WHERE locked_until <= clock_timestamp() FOR UPDATE SKIP LOCKED)"
+        )
+        self._next_sweep = 0.0
+        self._sweeping = False
 
         def configure_connection(conn: DeadlineConnection) -> None:
             conn.default_timeout = self._timeout
@@ -168,7 +277,7 @@ class PostgresLeases(LeaseProvider):
             if configure is not None:
                 configure(conn)
 
-        connect_kwargs = {
+        connect_kwargs: dict[str, Any] = {
             "autocommit": True,
             "connect_timeout": connect_timeout,
             **keepalive_kwargs(conninfo, self._timeout),
@@ -190,6 +299,12 @@ class PostgresLeases(LeaseProvider):
             reconnect_timeout=max(self._timeout, 1.0),
             open=True,
         )
+        self._connect_kwargs = connect_kwargs
+        self._idle: deque[DeadlineConnection] = deque()
+        self._draining = False
+        self._pool_waiters = 0  # callers blocked in the pool's getconn (see _checkout)
+        self._waiters_lock = threading.Lock()
+        self._configure_connection = configure_connection
         self._listener = _PgListener(
             lambda: self._hub, conninfo, connect_kwargs, self._timeout, self._channel
         )
@@ -209,6 +324,26 @@ class PostgresLeases(LeaseProvider):
             + " (the provider reconnects once the server is reachable again)"
         )
 
+    def _error(
+        self, exc: Exception, action: str
+    ) -> LeaseStoreUnavailable | LeaseStoreMisconfigured:
+        """Map a driver error: an outage, or a refusal that no retry will fix."""
+        sqlstate = getattr(exc, "sqlstate", None)
+        text = str(exc)
+        if isinstance(exc, self._psycopg.ProgrammingError) and sqlstate is None:
+            permanent = True  # a malformed connection string, say
+        elif sqlstate:
+            permanent = sqlstate[:2] in _PERMANENT_SQLSTATE_CLASSES
+        else:
+            lowered = text.lower()
+            permanent = any(marker in lowered for marker in _PERMANENT_CONNECT_ERRORS)
+        if not permanent:
+            return self._unavailable(exc, action)
+        return LeaseStoreMisconfigured(
+            f"PostgreSQL lease store refused to {action}: {type(exc).__name__}: "
+            f"{text.strip()} [{_fix_for(sqlstate, text)}]"
+        )
+
     def _channel(self, name: str) -> str:
         resolved = self._resolved
         if resolved is None:  # not before the first call; the listener comes later
@@ -218,21 +353,70 @@ class PostgresLeases(LeaseProvider):
         return channel_for(resolved, name)
 
     def _getconn(self, deadline: float) -> DeadlineConnection:
+        # Idle connections wait in a deque of our own first: deque.pop/append are atomic, so
+        # the common case takes no lock, while psycopg-pool's getconn/putconn (locks, stats,
+        # its checks) cost about as much client time as a lease's own work. The pool still
+        # opens, counts (max_size) and closes every connection.
         # A few attempts: every idle connection may have been closed by a server restart.
         for _ in range(self._max_size + 1):
-            conn = self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
+            conn = self._checkout(deadline)
             if not _has_unexpected_input(conn):
                 conn.deadline = deadline
                 return conn
             conn.close()  # the pool discards closed connections and opens a new one
             self._pool.putconn(conn)
-        conn = self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
+        conn = self._checkout(deadline)
         conn.deadline = deadline
         return conn
 
+    def _checkout(self, deadline: float) -> DeadlineConnection:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            pass
+        # Every connection may be out, some on their way back to the deque: announce that we
+        # wait in the pool, so that _putconn hands them to the pool (and so to us) instead.
+        with self._waiters_lock:
+            self._pool_waiters += 1
+        try:
+            try:
+                return self._idle.pop()  # returned between the first look and the announcement
+            except IndexError:
+                return self._pool.getconn(timeout=max(0.001, deadline - monotonic()))
+        finally:
+            with self._waiters_lock:
+                self._pool_waiters -= 1
+
     def _putconn(self, conn: DeadlineConnection) -> None:
         conn.deadline = None
-        self._pool.putconn(conn)
+        if (
+            conn.closed
+            or conn.pgconn.transaction_status != _IDLE
+            or self._draining
+            or self._pool_waiters
+        ):
+            self._pool.putconn(conn)  # discarded, reset, or handed to a waiter by the pool
+            return
+        self._idle.append(conn)
+        # A caller may have announced itself after the check above and missed this connection
+        # in the deque (or the provider closed meanwhile): give one back to the pool then.
+        if self._pool_waiters or self._draining:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return
+            self._pool.putconn(conn)
+            if self._draining:
+                self._drain_idle()
+
+    def _drain_idle(self) -> None:
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return
+            with contextlib.suppress(Exception):
+                self._pool.putconn(conn)
 
     def _ensure_schema(self, deadline: float) -> None:
         if not self._schema_lock.acquire(timeout=max(0.0, deadline - monotonic())):
@@ -243,26 +427,51 @@ class PostgresLeases(LeaseProvider):
             if self._schema_ready:
                 return
             try:
-                conn = self._getconn(deadline)
-                try:
-                    with conn.transaction():
-                        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-                        conn.execute(self._sql_create)
-                        row = conn.execute(
-                            "SELECT n.nspname, c.relname FROM pg_catalog.pg_class c "
-                            "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-                            "WHERE c.oid = %s::regclass",
-                            (self._table_literal,),
-                        ).fetchone()
-                finally:
-                    self._putconn(conn)
+                row = self._set_up_schema(deadline)
             except self._psycopg.Error as exc:
-                raise self._unavailable(exc, "set up the lease table") from exc
+                raise self._error(exc, "set up the lease table") from exc
             assert row is not None
             self._resolved = (str(row[0]), str(row[1]))
             self._schema_ready = True
         finally:
             self._schema_lock.release()
+
+    def _set_up_schema(self, deadline: float) -> Any:
+        # A connection of its own rather than the pool's: the pool retries a refused
+        # connection until its timeout, so a wrong password or an unknown database would be
+        # reported only after `timeout` seconds, as a PoolTimeout that reads like an outage.
+        # One direct attempt reports the server's own reason at once.
+        from ._pg_deadline import DeadlineConnection
+
+        conn = DeadlineConnection.connect(self.conninfo, **self._connect_kwargs)
+        try:
+            conn.deadline = deadline
+            self._configure_connection(conn)
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                conn.execute(self._sql_create)
+                exists = conn.execute(
+                    "SELECT to_regclass(%s) IS NOT NULL", (self._seq_name_literal,)
+                ).fetchone()
+                if not (exists and exists[0]):
+                    conn.execute(self._sql_create_seq)
+                    conn.execute(self._sql_start_seq)
+                row = conn.execute(
+                    "SELECT n.nspname, c.relname, c.relpersistence FROM pg_catalog.pg_class c "
+                    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE c.oid = %s::regclass",
+                    (self._table_literal,),
+                ).fetchone()
+        finally:
+            conn.close()
+        if row is not None and self._durable and row[2] == "u":
+            raise LeaseStoreMisconfigured(
+                f"PostgreSQL lease table {self.table!r} is UNLOGGED (created by a provider with "
+                "durable=False): a server crash would empty it, which a durable provider must "
+                "not allow [use another table, pass durable=False, or run ALTER TABLE ... SET "
+                "LOGGED]"
+            )
+        return row
 
     def _run(
         self,
@@ -270,8 +479,14 @@ class PostgresLeases(LeaseProvider):
         params: dict[str, object],
         action: str,
         timeout: float | None = None,
+        *,
+        rows: bool = True,
     ) -> tuple[Any, int]:
-        """Execute one statement within ``timeout`` (at most the provider's); (row, rowcount)."""
+        """Execute one statement within ``timeout`` (at most the provider's); (row, rowcount).
+
+        ``rows``: the statement returns rows (read the first). Said by the caller rather than
+        read from ``cursor.description``, which builds column objects on every call.
+        """
         errors = self._psycopg.Error
         budget = self._timeout if timeout is None else min(timeout, self._timeout)
         deadline = monotonic() + budget
@@ -282,7 +497,7 @@ class PostgresLeases(LeaseProvider):
                 conn = self._getconn(deadline)
                 try:
                     cursor = conn.execute(query, params, prepare=True)
-                    row = cursor.fetchone() if cursor.description is not None else None
+                    row = cursor.fetchone() if rows else None
                     return row, cursor.rowcount
                 finally:
                     self._putconn(conn)
@@ -291,9 +506,9 @@ class PostgresLeases(LeaseProvider):
                 # once is safe.
                 self._schema_ready = False
                 if attempt == 2:
-                    raise self._unavailable(exc, action) from exc
+                    raise self._error(exc, action) from exc
             except errors as exc:
-                raise self._unavailable(exc, action) from exc
+                raise self._error(exc, action) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- primitives ---------------------------------------------------------------------------
@@ -306,10 +521,41 @@ class PostgresLeases(LeaseProvider):
             {"name": name, "most": at_most_for, "least": at_least_for, "by": self._holder},
             "grant a lease",
         )
+        self._maybe_sweep()
         token, remaining = row
         if token is not None:
             return int(token), 0.0
         return 0, max(0.0, float(remaining or 0.0))
+
+    def _maybe_sweep(self) -> None:
+        """Delete expired rows in the background, at most every ``sweep_every`` seconds.
+
+        An expired row is a free name: deleting it changes nothing for anyone (the sequence,
+        not the row, carries the tokens), so any provider may sweep any row.
+        """
+        every = self._sweep_every
+        if every is None:
+            return
+        now = monotonic()
+        if now < self._next_sweep or self._sweeping:
+            return
+        self._next_sweep = now + every
+        self._sweeping = True
+        self._background.submit(self._sweep)
+
+    def _sweep(self) -> None:
+        try:
+            self._run(self._sql_sweep, {}, "sweep expired leases", rows=False)
+        except (LeaseStoreUnavailable, LeaseStoreMisconfigured):
+            pass  # the next grant tries again; nothing depends on it
+        finally:
+            self._sweeping = False
+
+    def _store_holder(self, name: str) -> tuple[int, float, bool] | None:
+        row, _ = self._run(self._sql_holder, {"name": name}, "read a lease")
+        if row is None:
+            return None
+        return int(row[0]), max(0.0, float(row[1])), bool(row[2])
 
     def _store_extend(
         self, name: str, token: int, at_most_for: float, *, timeout: float | None = None
@@ -319,12 +565,15 @@ class PostgresLeases(LeaseProvider):
             {"name": name, "token": token, "most": at_most_for},
             "extend a lease",
             timeout,
+            rows=False,
         )
         return count == 1
 
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
         row, _ = self._run(
-            self._sql_release,
+            self._sql_release if kept else self._sql_release_simple,
             {"name": name, "token": token, "channel": self._channel(name)},
             "release a lease",
             timeout,
@@ -332,9 +581,40 @@ class PostgresLeases(LeaseProvider):
         return row is not None
 
     def _store_close(self) -> None:
+        self._draining = True
+        self._drain_idle()
         # Waits for the pool's worker, which may be connecting to a server that does not
         # answer, at most this long.
         self._pool.close(timeout=self._timeout)
+
+
+def _truncate_identifier(base: str, suffix: str) -> str:
+    """``base + suffix`` within PostgreSQL's identifier limit (a shared prefix is harmless:
+    two tables sharing one sequence still get increasing tokens)."""
+    room = _MAX_IDENTIFIER - len(suffix.encode())
+    return base.encode()[:room].decode(errors="ignore") + suffix
+
+
+def _fix_for(sqlstate: str | None, text: str) -> str:
+    """What to do about a permanent PostgreSQL error, for the message."""
+    lowered = text.lower()
+    if (sqlstate or "").startswith("28") or "authentication" in lowered or "password" in lowered:
+        return (
+            "fix the user name or password in the connection string (or the server's "
+            "pg_hba.conf); retrying with the same settings fails the same way"
+        )
+    if sqlstate == "3D000" or ("database" in lowered and "does not exist" in lowered):
+        return "create the database, or name an existing one in the connection string"
+    if "role" in lowered and "does not exist" in lowered:
+        return "create the role, or name an existing one in the connection string"
+    if sqlstate == "42501" or "permission denied" in lowered:
+        return (
+            "grant the role CREATE on the schema (or create the lease table and its sequence "
+            "beforehand) and SELECT, INSERT, UPDATE, DELETE on the table, USAGE on the sequence"
+        )
+    if (sqlstate or "").startswith(("3F", "42")):
+        return "check the table name and schema given to PostgresLeases(table=...)"
+    return "check the provider's configuration and the values passed"
 
 
 def _has_unexpected_input(conn: psycopg.Connection[Any]) -> bool:
@@ -360,6 +640,10 @@ class _PgListener(Listener):
         super().__init__(hub_ref, "rxcoord-postgres-lease-listener")
         self._conninfo = conninfo
         self._connect_kwargs = connect_kwargs
+        self._idle: deque[DeadlineConnection] = deque()
+        self._draining = False
+        self._pool_waiters = 0  # callers blocked in the pool's getconn (see _checkout)
+        self._waiters_lock = threading.Lock()
         self._timeout = timeout
         self._channel_of = channel_of
         self._channels: dict[str, str] = {}  # channel -> name

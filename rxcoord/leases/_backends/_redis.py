@@ -1,17 +1,25 @@
-"""Leases in Redis: one Lua script per operation, pub/sub for waiters.
+"""Leases in Redis (a server or a cluster): one Lua script per operation, pub/sub for waiters.
 
-Keys per name (the ``{name}`` hash tag keeps them in one cluster slot):
+Keys:
 
 * ``<prefix>{name}`` - the lease: value ``token`` (or ``token:least_until_ms`` when
-  ``at_least_for`` > 0), expiring after ``at_most_for`` (``PX``): Redis's clock decides expiry;
-* ``<prefix>{name}:token`` - the fencing counter, never expiring, so tokens keep growing across
-  grants, expiries and client restarts (and server restarts only with persistence: with
-  ``appendonly yes`` + ``appendfsync always``; without it a restarted Redis forgets them).
+  ``at_least_for`` > 0), expiring after ``at_most_for`` (``PX``): Redis's clock decides expiry,
+  and an expired or released lease leaves no key behind. Released inside ``at_least_for``, it
+  becomes ``r:token`` until then.
+* the token sequence, store-wide rather than per name, so that no key of a name outlives its
+  lease and tokens still increase per name: ``<prefix>seq`` on a server; on a cluster, where
+  one script may only touch keys of one hash slot, one ``<prefix>seq:{tag}`` per slot in use
+  (``tag`` is chosen to hash to the lease key's slot), at most 16,384 keys however many names
+  come and go. The sequence never expires, so tokens keep growing across grants, expiries and
+  client restarts (and server restarts only with persistence: with ``appendonly yes`` +
+  ``appendfsync always``; without it a restarted Redis forgets them). A per-name counter left by
+  an older version (``<prefix>{name}:token``) is folded into the sequence and deleted the next
+  time the name is granted, so tokens never go back; do not mix versions on one prefix.
 
 Each operation is one ``EVALSHA`` (falling back to ``EVAL`` once after a script-cache flush),
 so the check, the grant and ``INCR`` of the token are one atomic step:
 
-* grant: ``PTTL`` the lease; if it exists return its remaining time; else ``INCR`` the counter
+* grant: ``PTTL`` the lease; if it exists return its remaining time; else ``INCR`` the sequence
   and ``SET ... PX``;
 * extend / release: compare the stored token; release ``DEL``s the key (or, inside
   ``at_least_for``, replaces it with a ``released`` marker expiring then) and ``PUBLISH``es on
@@ -25,11 +33,16 @@ raw ``SET NX PX`` + ``DEL`` pair on loopback; with plain connections it runs wel
 Retries would be wrong anyway: retrying a release whose reply was lost finds the lease already
 released and reports a false loss. A failed call raises ``LeaseStoreUnavailable``; an idle
 connection the server has closed (a restart) is noticed before reuse and replaced, so the first
-call after a restart succeeds.
+call after a restart succeeds. On a cluster, commands go through redis-py's ``RedisCluster``
+(slot routing, ``MOVED``/``ASK``) with its retries turned off for the same reason, and the
+listener subscribes on one node: classic pub/sub messages reach every node of a cluster.
+Refusals no retry can fix (``WRONGPASS``, ``NOPERM``, ``NOAUTH``, a cluster node given to a
+plain provider) raise ``LeaseStoreMisconfigured``.
 """
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import math
 from collections import deque
@@ -38,24 +51,32 @@ from contextlib import suppress
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Final
 
-from rxcoord._errors import LeaseStoreUnavailable
+from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
 from .._notify import Listener, WaitHub
 from .._validate import check_duration
-from ._drivers import require
+from ._drivers import require, route_driver_logs
 
 if TYPE_CHECKING:
     import redis
+    import redis.cluster
 
 __all__ = ["RedisLeases"]
 
-# KEYS: lease, counter. ARGV: at_most_for ms, at_least_for ms.
+# KEYS: lease, sequence, legacy per-name counter. ARGV: at_most_for ms, at_least_for ms.
 # Returns the new token (> 0), or -1 - remaining_ms when the name is taken.
 _GRANT: Final = """
 local ttl = redis.call('PTTL', KEYS[1])
 if ttl >= 0 then return -1 - ttl end
 if ttl == -1 then return -1001 end
+local legacy = redis.call('GET', KEYS[3])
+if legacy then
+  if tonumber(legacy) > tonumber(redis.call('GET', KEYS[2]) or '0') then
+    redis.call('SET', KEYS[2], legacy)
+  end
+  redis.call('DEL', KEYS[3])
+end
 local token = redis.call('INCR', KEYS[2])
 local value = token
 if ARGV[2] ~= '0' then
@@ -65,6 +86,20 @@ if ARGV[2] ~= '0' then
 end
 redis.call('SET', KEYS[1], value, 'PX', ARGV[1])
 return token
+"""
+
+# KEYS: lease. Returns nil, or {token, remaining ms, released (0/1)}.
+_HOLDER: Final = """
+local v = redis.call('GET', KEYS[1])
+if not v then return nil end
+local ttl = redis.call('PTTL', KEYS[1])
+local released = 0
+local token = string.match(v, '^(%d+)$') or string.match(v, '^(%d+):%d+$')
+if not token then
+  released = 1
+  token = string.match(v, '^r:(%d+)$') or '0'
+end
+return {tonumber(token), ttl, released}
 """
 
 # KEYS: lease. ARGV: token, at_most_for ms. Returns 1 if extended, 0 if not ours.
@@ -97,7 +132,7 @@ else
   local t = redis.call('TIME')
   local left = tonumber(least) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
   if left > 0 then
-    redis.call('SET', KEYS[1], 'released', 'PX', string.format('%d', left))
+    redis.call('SET', KEYS[1], 'r:' .. token, 'PX', string.format('%d', left))
   else
     redis.call('DEL', KEYS[1])
   end
@@ -105,6 +140,45 @@ end
 redis.call('PUBLISH', ARGV[2], '')
 return 1
 """
+
+
+_SLOTS: Final = 16384
+# Replies no retry will fix: credentials, ACLs, a cluster node given to a plain provider (or
+# keys the cluster cannot run together), a server without scripting.
+_PERMANENT_REPLIES: Final = (
+    "WRONGPASS",
+    "NOAUTH",
+    "NOPERM",
+    "MOVED",
+    "ASK ",
+    "CROSSSLOT",
+    "ERR unknown command",
+    "ERR AUTH",
+    "ERR invalid password",
+    "ERR Client sent AUTH",
+)
+_slot_tags: list[str] | None = None
+
+
+def _tag_for_slot(slot: int) -> str:
+    """A short string whose hash slot is ``slot``: names the per-slot sequence of a cluster."""
+    global _slot_tags
+    tags = _slot_tags
+    if tags is None:
+        # CRC16/XMODEM of the whole tag (no braces in it), as Redis Cluster hashes keys.
+        found: list[str | None] = [None] * _SLOTS
+        missing = _SLOTS
+        i = 0
+        crc = binascii.crc_hqx
+        while missing:  # about 160,000 CRC16s, once per process (a tenth of a second)
+            tag = b"%x" % i
+            at = crc(tag, 0) % _SLOTS
+            if found[at] is None:
+                found[at] = tag.decode()
+                missing -= 1
+            i += 1
+        tags = _slot_tags = [tag for tag in found if tag is not None]
+    return tags[slot]
 
 
 def _sha(script: str) -> str:
@@ -119,14 +193,23 @@ class RedisLeases(LeaseProvider):
     """Leases in Redis; waiters are woken by pub/sub.
 
     Args:
-        url: ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``).
-        prefix: Prefix of every key and channel this provider uses.
+        url: ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``); with
+            ``cluster=True``, the address of any node of the cluster.
+        prefix: Prefix of every key and channel this provider uses (no ``{`` or ``}``: the
+            name's hash tag must be the first one in its key).
         client: Take the connection settings (address, credentials, TLS, connection class)
             from this redis-py client instead of ``url``. Its pool, retry policy, socket
-            timeouts and ``decode_responses`` are not used, and ``close()`` leaves it open.
+            timeouts and ``decode_responses`` are not used, and ``close()`` leaves it open. A
+            ``redis.cluster.RedisCluster`` client implies ``cluster=True``.
         timeout: Socket connect and read timeout in seconds: a hung server fails with
             ``LeaseStoreUnavailable`` instead of blocking forever. Keep-alive renewals wait at
-            most as long as their lease has left, so a loss is reported by its expiry.
+            most as long as their lease has left, so a loss is reported by its expiry (on a
+            cluster, at most ``timeout``).
+        cluster: The server is a Redis Cluster: route each name to the node of its hash slot,
+            and keep one token sequence per slot (see the module docstring).
+
+    Limits: names of at most 4,096 bytes of UTF-8 (Redis takes keys of up to 512 MB; the bound
+    keeps keys and channel names sane), durations of at most 1e9 seconds.
 
     Raises:
         ImportError: redis-py is missing (``pip install rxcoord[redis]``).
@@ -140,20 +223,36 @@ class RedisLeases(LeaseProvider):
         url: str = "redis://127.0.0.1:6379/0",
         *,
         prefix: str = "rxcoord:lease:",
-        client: redis.Redis | None = None,
+        client: redis.Redis | redis.cluster.RedisCluster | None = None,
         timeout: float = 5.0,
+        cluster: bool = False,
     ) -> None:
         if not isinstance(prefix, str) or not prefix:
             raise ValueError("prefix must be a non-empty str")
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(
+                f"prefix must not contain '{{' or '}}' ({prefix!r}): the name's hash tag must be "
+                "the first one in its key"
+            )
         seconds = check_duration("timeout", timeout)
         redis_mod = require("redis", "redis")
+        route_driver_logs("redis")
         from redis.backoff import NoBackoff
+        from redis.cluster import RedisCluster
         from redis.retry import Retry
 
         self._errors: type[Exception] = redis_mod.RedisError
         self._no_script: type[Exception] = redis_mod.exceptions.NoScriptError
+        self._redis = redis_mod
         self.prefix = prefix
-        if client is None:
+        self.cluster = cluster or isinstance(client, RedisCluster)
+        if isinstance(client, RedisCluster):
+            node: Any = client.get_default_node()  # type: ignore[no-untyped-call]
+            pool = redis_mod.ConnectionPool(
+                host=node.host, port=node.port, **client.nodes_manager.connection_kwargs
+            )
+            self.url = repr(client)
+        elif client is None:
             # Only a holder of connection settings: connections are made by _Connections.
             pool = redis_mod.ConnectionPool.from_url(url)
             self.url = url
@@ -172,15 +271,32 @@ class RedisLeases(LeaseProvider):
             "decode_responses": False,
         }
         self._op_timeout = seconds
+        self._connections: _Connections | _ClusterCommands
+        if self.cluster:
+            _tag_for_slot(0)  # build the slot table now (~0.1 s once), not in the first grant
+            node_settings = {
+                key: value
+                for key, value in settings.items()
+                if key not in ("host", "port", "db", "connection_class", "path")
+            }
+            self._connections = _ClusterCommands(
+                RedisCluster(
+                    host=pool.connection_kwargs.get("host", "127.0.0.1"),
+                    port=int(pool.connection_kwargs.get("port", 6379)),
+                    **node_settings,
+                )
+            )
+        else:
 
-        def connect() -> Any:
-            return connection_class(**settings)
+            def connect() -> Any:
+                return connection_class(**settings)
 
-        self._connections = _Connections(
-            connect, redis_mod.ResponseError, redis_mod.RedisError, seconds
-        )
+            self._connections = _Connections(
+                connect, redis_mod.ResponseError, redis_mod.RedisError, seconds
+            )
 
         def connect_listener() -> Any:
+            # On a cluster, any node will do: PUBLISH reaches the subscribers of every node.
             return connection_class(**{**settings, "protocol": 2})  # pub/sub replies as arrays
 
         self._listener = _RedisListener(lambda: self._hub, connect_listener, self._channel)
@@ -221,10 +337,52 @@ class RedisLeases(LeaseProvider):
                     deadline - monotonic(), "EVAL", script, numkeys, *args
                 )
         except self._errors as exc:
-            raise LeaseStoreUnavailable(
+            raise self._error(exc, action) from exc
+
+    def _error(
+        self, exc: Exception, action: str
+    ) -> LeaseStoreUnavailable | LeaseStoreMisconfigured:
+        """Map a redis-py error: an outage, or a refusal that no retry will fix."""
+        exceptions = self._redis.exceptions
+        text = str(exc)
+        cluster_mismatch = isinstance(
+            exc, exceptions.ClusterCrossSlotError | exceptions.MovedError | exceptions.AskError
+        )
+        permanent = (
+            isinstance(
+                exc,
+                exceptions.AuthenticationError
+                | exceptions.AuthenticationWrongNumberOfArgsError
+                | exceptions.NoPermissionError,
+            )
+            or cluster_mismatch
+            or (
+                isinstance(exc, exceptions.ResponseError)
+                and text.lstrip().startswith(_PERMANENT_REPLIES)
+            )
+        )
+        if not permanent:
+            return LeaseStoreUnavailable(
                 f"Redis lease store failed to {action}: {type(exc).__name__}: {exc} "
                 "(the provider reconnects once the server is reachable again)"
-            ) from exc
+            )
+        if cluster_mismatch or text.startswith(("MOVED", "ASK ", "CROSSSLOT")):
+            fix = "the server is a Redis Cluster: pass cluster=True to RedisLeases"
+        elif isinstance(exc, exceptions.NoPermissionError) or text.startswith("NOPERM"):
+            fix = (
+                "grant the user EVALSHA, EVAL, PUBLISH and SUBSCRIBE on the prefix's keys "
+                "and channels (ACL SETUSER ... ~prefix* &prefix* +@scripting +@pubsub)"
+            )
+        elif text.startswith("ERR unknown command"):
+            fix = "the server lacks Lua scripting (EVALSHA): use Redis 6.2 or later"
+        else:
+            fix = (
+                "fix the user name or password in the URL (redis://user:password@host:port); "
+                "retrying with the same settings fails the same way"
+            )
+        return LeaseStoreMisconfigured(
+            f"Redis lease store refused to {action}: {type(exc).__name__}: {text} [{fix}]"
+        )
 
     def _store_try_grant(
         self, name: str, at_most_for: float, at_least_for: float
@@ -235,8 +393,9 @@ class RedisLeases(LeaseProvider):
             self._eval(
                 _GRANT,
                 _GRANT_SHA,
-                2,
+                3,
                 key,
+                self._sequence_key(key),
                 key + ":token",
                 _ms(at_most_for),
                 least,
@@ -264,7 +423,9 @@ class RedisLeases(LeaseProvider):
             )
         )
 
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
         key = f"{self.prefix}{{{name}}}"
         return bool(
             self._eval(
@@ -279,11 +440,30 @@ class RedisLeases(LeaseProvider):
             )
         )
 
+    def _sequence_key(self, key: str) -> str:
+        """The token sequence for the lease key ``key``: store-wide, or per slot on a cluster."""
+        if not self.cluster:
+            return self.prefix + "seq"
+        from redis.crc import key_slot
+
+        return f"{self.prefix}seq:{{{_tag_for_slot(key_slot(key.encode()))}}}"
+
+    def _store_holder(self, name: str) -> tuple[int, float, bool] | None:
+        key = f"{self.prefix}{{{name}}}"
+        reply = self._eval(_HOLDER, _HOLDER_SHA, 1, key, action="read a lease")
+        if not reply:
+            return None
+        token, ttl, released = (int(part) for part in reply)
+        if ttl < 0:  # expired between the GET and the PTTL, or (never) without expiry
+            return None
+        return token, ttl / 1000.0, bool(released)
+
     def _store_close(self) -> None:
         self._connections.close()
 
 
 _GRANT_SHA: Final = _sha(_GRANT)
+_HOLDER_SHA: Final = _sha(_HOLDER)
 _EXTEND_SHA: Final = _sha(_EXTEND)
 _RELEASE_SHA: Final = _sha(_RELEASE)
 
@@ -403,6 +583,27 @@ class _Connections:
         while self._idle:
             with suppress(Exception):
                 self._idle.pop().disconnect()
+
+
+class _ClusterCommands:
+    """:class:`_Connections`'s interface over redis-py's ``RedisCluster`` (slot routing)."""
+
+    __slots__ = ("_cluster",)
+
+    def __init__(self, cluster: Any) -> None:
+        self._cluster = cluster
+
+    def call(self, *args: object) -> Any:
+        return self._cluster.execute_command(*args)
+
+    def call_within(self, timeout: float, *args: object) -> Any:
+        # RedisCluster has no per-call timeout: each node's socket timeout (the provider's
+        # `timeout`) bounds the call instead.
+        return self._cluster.execute_command(*args)
+
+    def close(self) -> None:
+        with suppress(Exception):
+            self._cluster.close()
 
 
 class _RedisListener(Listener):

@@ -1,10 +1,18 @@
 """Leases in an SQLite file: the embedded default for processes on one machine.
 
-One row per name (``name, token, locked_until, least_until, released``); rows are never
-deleted, so the per-name token counter survives releases, client restarts and reopening the
-file. The grant is one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE locked_until <= now
-RETURNING token``: SQLite serializes writers, so the check, the grant and the token increment
-are one atomic step. Times are the machine's clock as SQLite reads it (``julianday('now')``),
+One row per *taken* name (``name, token, locked_until, least_until, released``): a release
+deletes its row (or, inside ``at_least_for``, marks it released until then), and rows that
+expired are swept by the next grant at most once a second, so a name nobody holds leaves
+nothing behind. Tokens come from one store-wide sequence, a one-row table ``<table>_seq``
+that a trigger advances with every token written: deleting a name's row cannot reset its
+tokens, which keep increasing across releases, expiries, client restarts and reopening the
+file. (Upgrading from a version that kept a counter per row: the sequence starts at the
+largest token in the table; do not mix versions on one file.)
+
+The grant is one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE locked_until <= now RETURNING
+token`` whose new token is the sequence's next value: SQLite serializes writers, so the check,
+the grant and the sequence's advance (by the trigger, in the same statement) are one atomic
+step. Times are the machine's clock as SQLite reads it (``julianday('now')``),
 the same for every process on the machine.
 
 SQLite cannot notify other processes, so waiters poll with exponential backoff (bounded by the
@@ -22,9 +30,10 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import suppress
+from time import monotonic
 from typing import Final
 
-from rxcoord._errors import LeaseStoreUnavailable
+from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
 from .._notify import WaitHub
@@ -34,6 +43,16 @@ __all__ = ["SqliteLeases"]
 
 # Seconds since the Unix epoch on the machine's clock, millisecond resolution.
 _NOW: Final = "((julianday('now') - 2440587.5) * 86400.0)"
+_SWEEP_EVERY: Final = 1.0  # seconds between sweeps of expired rows (per provider)
+# sqlite3 error texts that retrying cannot fix (the module has no error codes before 3.11's
+# sqlite_errorcode, and these are stable across SQLite versions).
+_PERMANENT: Final = (
+    "unable to open database file",
+    "readonly database",
+    "file is not a database",
+    "not authorized",
+    "malformed",
+)
 
 
 class SqliteLeases(LeaseProvider):
@@ -47,6 +66,9 @@ class SqliteLeases(LeaseProvider):
         durable: fsync every grant and release (``synchronous=FULL``). ``False`` trades
             durability across power loss (not process crashes) for speed.
         poll: (first, max) seconds between polls while waiting for another process's lease.
+
+    Limits: names of at most 4,096 bytes of UTF-8 (SQLite itself takes up to a gigabyte; the
+    bound keeps the file and the index sane), durations of at most 1e9 seconds.
 
     Raises:
         ValueError: Invalid table name or durations.
@@ -74,27 +96,50 @@ class SqliteLeases(LeaseProvider):
         self._conn_lock = threading.Lock()
         self._holder = f"{socket.gethostname()}:{os.getpid()}"
         t = ".".join(f'"{part}"' for part in parts)
-        self._sql_create = (
+        seq_parts = (*parts[:-1], parts[-1] + "_seq")
+        q = ".".join(f'"{part}"' for part in seq_parts)
+        schema = f'"{parts[0]}".' if len(parts) == 2 else ""
+        seq_local = f'"{parts[-1]}_seq"'  # trigger bodies may not qualify names (same schema)
+        advance = f"BEGIN UPDATE {seq_local} SET token = NEW.token WHERE token < NEW.token; END"
+        self._sql_create = [
             f"CREATE TABLE IF NOT EXISTS {t} (name TEXT PRIMARY KEY, token INTEGER NOT NULL, "
             "locked_until REAL NOT NULL, least_until REAL NOT NULL, released INTEGER NOT NULL, "
-            "locked_at REAL NOT NULL, locked_by TEXT NOT NULL)"
-        )
+            "locked_at REAL NOT NULL, locked_by TEXT NOT NULL)",
+            f"CREATE TABLE IF NOT EXISTS {q} (id INTEGER PRIMARY KEY CHECK (id = 1), "
+            "token INTEGER NOT NULL)",
+            # A table written by an older version keeps a counter per row: start above them.
+            f"INSERT OR IGNORE INTO {q} (id, token) SELECT 1, coalesce(max(token), 0) FROM {t}",
+            # Inside the granting statement: the sequence advances atomically with the grant.
+            f'CREATE TRIGGER IF NOT EXISTS {schema}"{parts[-1]}_seq_on_update" '
+            f'AFTER UPDATE OF token ON "{parts[-1]}" {advance}',
+            f'CREATE TRIGGER IF NOT EXISTS {schema}"{parts[-1]}_seq_on_insert" '
+            f'AFTER INSERT ON "{parts[-1]}" {advance}',
+        ]
+        next_token = f"(SELECT token + 1 FROM {q} WHERE id = 1)"
         self._sql_grant = (
             f"INSERT INTO {t} (name, token, locked_until, least_until, released, locked_at, "
-            f"locked_by) VALUES (?1, 1, {_NOW} + ?2, {_NOW} + ?3, 0, {_NOW}, ?4) "
-            "ON CONFLICT (name) DO UPDATE SET token = token + 1, "
+            f"locked_by) VALUES (?1, {next_token}, {_NOW} + ?2, {_NOW} + ?3, 0, {_NOW}, ?4) "
+            f"ON CONFLICT (name) DO UPDATE SET token = {next_token}, "
             "locked_until = excluded.locked_until, least_until = excluded.least_until, "
             "released = 0, locked_at = excluded.locked_at, locked_by = excluded.locked_by "
             f"WHERE locked_until <= {_NOW} RETURNING token"
         )
         self._sql_remaining = f"SELECT locked_until - {_NOW} FROM {t} WHERE name = ?1"
+        self._sql_holder = (
+            f"SELECT token, locked_until - {_NOW}, released FROM {t} "
+            f"WHERE name = ?1 AND locked_until > {_NOW}"
+        )
         owned = f"name = ?1 AND token = ?2 AND released = 0 AND locked_until > {_NOW}"
         self._sql_extend = (
             f"UPDATE {t} SET locked_until = max(least_until, {_NOW} + ?3) WHERE {owned}"
         )
+        # Release: delete the row, unless at_least_for keeps the name taken a while longer.
+        self._sql_release_delete = f"DELETE FROM {t} WHERE {owned} AND least_until <= {_NOW}"
         self._sql_release = (
             f"UPDATE {t} SET locked_until = max(least_until, {_NOW}), released = 1 WHERE {owned}"
         )
+        self._sql_sweep = f"DELETE FROM {t} WHERE locked_until <= {_NOW}"
+        self._next_sweep = 0.0
         super().__init__(WaitHub(), poll=(first, max(first, cap)))
 
     def _describe(self) -> str:
@@ -111,7 +156,14 @@ class SqliteLeases(LeaseProvider):
                 with suppress(sqlite3.OperationalError):
                     conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute(f"PRAGMA synchronous={'FULL' if self._durable else 'NORMAL'}")
-                conn.execute(self._sql_create)
+                conn.execute("BEGIN IMMEDIATE")  # create the table, sequence and triggers at once
+                try:
+                    for statement in self._sql_create:
+                        conn.execute(statement)
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
             except BaseException:
                 conn.close()
                 raise
@@ -153,7 +205,9 @@ class SqliteLeases(LeaseProvider):
         finally:
             self._conn_lock.release()
 
-    def _fail(self, exc: sqlite3.Error, action: str) -> LeaseStoreUnavailable:
+    def _fail(
+        self, exc: sqlite3.Error, action: str
+    ) -> LeaseStoreUnavailable | LeaseStoreMisconfigured:
         message = str(exc)
         if "locked" not in message and "busy" not in message:
             # Anything but lock contention may mean a broken handle: reopen on the next call.
@@ -161,10 +215,16 @@ class SqliteLeases(LeaseProvider):
             if conn is not None:
                 with contextlib.suppress(sqlite3.Error):
                     conn.close()
+        if any(text in message for text in _PERMANENT):
+            return LeaseStoreMisconfigured(
+                f"SQLite lease store {self.path!r} failed to {action}: {message}; this will not "
+                "pass by retrying: check that the directory exists, that this process may read "
+                "and write the file and its directory, and that the path names a lease database"
+            )
         return LeaseStoreUnavailable(
             f"SQLite lease store {self.path!r} failed to {action}: {message} "
-            f"(a lock held longer than timeout={self._timeout}s, a missing directory or a full "
-            "disk; the provider reopens the file on the next call)"
+            f"(a lock held longer than timeout={self._timeout}s, or a full disk; the provider "
+            "reopens the file on the next call)"
         )
 
     def _store_try_grant(
@@ -173,6 +233,7 @@ class SqliteLeases(LeaseProvider):
         with self._conn_lock:
             try:
                 conn = self._connection()
+                self._maybe_sweep(conn)
                 rows = conn.execute(
                     self._sql_grant, (name, at_most_for, at_least_for, self._holder)
                 ).fetchall()  # fetch all: the statement (and its write lock) ends only then
@@ -182,6 +243,28 @@ class SqliteLeases(LeaseProvider):
             except sqlite3.Error as exc:
                 raise self._fail(exc, "grant a lease") from exc
         return 0, max(0.0, float(row[0])) if row else 0.0
+
+    def _maybe_sweep(self, conn: sqlite3.Connection) -> None:
+        """Delete expired rows, at most every _SWEEP_EVERY seconds (under the connection lock).
+
+        An expired row is a free name: deleting it changes nothing for anyone (the sequence,
+        not the row, carries the tokens), so any provider may sweep any row.
+        """
+        now = monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + _SWEEP_EVERY
+        conn.execute(self._sql_sweep)
+
+    def _store_holder(self, name: str) -> tuple[int, float, bool] | None:
+        with self._locked(None, "read a lease") as conn:
+            try:
+                row = conn.execute(self._sql_holder, (name,)).fetchone()
+            except sqlite3.Error as exc:
+                raise self._fail(exc, "read a lease") from exc
+        if row is None:
+            return None
+        return int(row[0]), max(0.0, float(row[1])), bool(row[2])
 
     def _store_extend(
         self, name: str, token: int, at_most_for: float, *, timeout: float | None = None
@@ -193,10 +276,14 @@ class SqliteLeases(LeaseProvider):
                 raise self._fail(exc, "extend a lease") from exc
         return cursor.rowcount == 1
 
-    def _store_release(self, name: str, token: int, *, timeout: float | None = None) -> bool:
+    def _store_release(
+        self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
+    ) -> bool:
         with self._locked(timeout, "release a lease") as conn:
             try:
-                cursor = conn.execute(self._sql_release, (name, token))
+                cursor = conn.execute(self._sql_release_delete, (name, token))
+                if cursor.rowcount != 1:  # inside at_least_for (or not ours): keep the row
+                    cursor = conn.execute(self._sql_release, (name, token))
             except sqlite3.Error as exc:
                 raise self._fail(exc, "release a lease") from exc
         if cursor.rowcount == 1:
