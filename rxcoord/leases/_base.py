@@ -342,9 +342,9 @@ class LeaseProvider(Closeable):
         return self._holder_of(name)
 
     async def holder_async(self, name: str) -> LeaseHolder | None:
-        """:meth:`holder` for asyncio; the round trip runs in a worker thread."""
+        """:meth:`holder` for asyncio; the round trip runs on the provider's workers."""
         self._check_name(name)
-        return await asyncio.get_running_loop().run_in_executor(None, self._holder_of, name)
+        return await self._waits.call_async(lambda: self._holder_of(name))
 
     def _holder_of(self, name: str) -> LeaseHolder | None:
         self._check_open()

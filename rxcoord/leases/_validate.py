@@ -13,6 +13,8 @@ import math
 import re
 from typing import Final
 
+from rxcoord._core.checks import check_length, check_wait
+
 __all__ = [
     "MAX_DURATION",
     "MAX_NAME_BYTES",
@@ -77,20 +79,18 @@ def check_name(name: object, max_bytes: int = MAX_NAME_BYTES, backend: str = "")
 def check_duration(
     what: str, value: object, *, allow_zero: bool = False, maximum: float = math.inf
 ) -> float:
-    """A finite number of seconds, > 0 (or >= 0 with ``allow_zero``), at most ``maximum``.
+    """A lease length: rxcoord's one rule for lengths (``_core.checks.check_length``: finite,
+    > 0 or >= 0 with ``allow_zero``), and at most ``maximum``, the store's range.
+
+    The maximum is where leases differ from the other layers: a store represents its expiry
+    time in a column or a key TTL of limited range, and a value beyond it must be refused at the
+    call, not reported by the store as an outage.
 
     Raises:
         TypeError: Not an int or float (bools are refused).
         ValueError: Not finite, negative (or zero without ``allow_zero``), above ``maximum``.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{what} is a number of seconds, not {value!r}")
-    seconds = float(value)
-    if not math.isfinite(seconds):
-        raise ValueError(f"{what} must be finite, got {value!r}")
-    if seconds < 0 or (seconds == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{what} must be {bound} seconds, got {value!r}")
+    seconds = check_length(value, what, allow_zero=allow_zero)
     if seconds > maximum:
         raise ValueError(
             f"{what} must be at most {maximum:g} seconds (about {maximum / 31_557_600:.3g} "
@@ -127,10 +127,9 @@ def check_lease_args(
 
 
 def check_timeout(timeout: object) -> float | None:
-    """None (wait as long as it takes) or a finite number of seconds >= 0."""
-    if timeout is None:
-        return None
-    return check_duration("timeout", timeout, allow_zero=True)
+    """A wait, by rxcoord's one rule (``_core.checks.check_wait``): None or ``inf`` wait as long
+    as it takes, 0 tries once, else seconds."""
+    return check_wait(timeout, "timeout")
 
 
 def check_table(table: object) -> tuple[str, ...]:

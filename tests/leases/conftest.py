@@ -600,6 +600,14 @@ STORES: dict[str, Callable[[pytest.FixtureRequest, Path, str], Backend]] = {
 }
 
 
+def registered(kind: str) -> LeaseBackend:
+    """The registry's entry for backend ``kind``."""
+    for entry in backends():
+        if entry.name == kind:
+            return entry
+    raise KeyError(kind)
+
+
 def backend_params() -> list[object]:
     """One parameter per registered backend (and per variant); server backends carry the
     ``backend`` mark.
@@ -637,14 +645,6 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
             provider.close()
         if result.cleanup is not None:
             result.cleanup()
-
-
-def registered(kind: str) -> LeaseBackend:
-    """The registry's entry for backend ``kind``."""
-    for entry in backends():
-        if entry.name == kind:
-            return entry
-    raise KeyError(kind)
 
 
 @pytest.fixture
