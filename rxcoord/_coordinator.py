@@ -173,7 +173,8 @@ class _Task(abc.ObservableBase[None], abc.DisposableBase):
         self.state = _QUEUED
         self.settled = False  # the subscriber got (or gave up) its outcome: the cancel signal
         self.lane: abc.ObserverBase[None] | None = None  # serialize_by_key's observer of us
-        self.handle: asyncio.Future[Any] | None = None  # a running async job
+        # A running async job (its future) or Observable job (its _Streaming): cancel() stops it.
+        self.handle: asyncio.Future[Any] | _Streaming | None = None
         self.timer: Callable[[], None] | None = None  # cancels the pending timeout
         self.ticket: AdmissionTicket | None = None  # asked for, or holding, an admission permit
 
@@ -203,7 +204,7 @@ _DETACHED: Final = Disposable()
 _is_settled: Final = attrgetter("settled")  # a queued task cancelled: the pipeline may drop it
 _PURGE_AT_LEAST: Final = 64  # tombstones (cancelled queued tasks) that make a purge worth it
 # What _settle leaves to do outside the lock: state, async handle, timer cancel, idle, purge.
-_Cleanup = tuple[int, "asyncio.Future[Any] | None", Any, bool, bool]
+_Cleanup = tuple[int, "asyncio.Future[Any] | _Streaming | None", Any, bool, bool]
 _NO_TOKEN: Final = object()  # a job that entered no key guard
 _KEYED: Final = object()  # tags user keys so they can never equal an unkeyed task's own key
 
@@ -784,6 +785,11 @@ class TenantTaskCoordinator(Closeable):
                 value = job()
             except BaseException as exc:  # the job's error goes to its subscriber
                 error = exc
+            if error is None and isinstance(value, abc.ObservableBase):
+                # An Observable job: run it to its end (still under the guard and its slot),
+                # forwarding every item it emits.
+                self._continue_observable(task, value, token)
+                return
             if error is None and (inspect.iscoroutine(value) or asyncio.isfuture(value)):
                 # ``lambda: fetch(i)`` is an async job in disguise: await what it returned
                 # (still under the guard, which is exited when the awaitable is done).
@@ -829,6 +835,39 @@ class TenantTaskCoordinator(Closeable):
         except Exception as exc:  # e.g. the loop was closed meanwhile: tell the caller
             self._discard_awaitable(awaitable, token)
             self._finish(task, None, exc)
+
+    def _continue_observable(self, task: _Task, observable: Any, token: Any) -> None:
+        streaming = _Streaming(self, task, token)
+        with self._lock:
+            cancelled = task.settled
+            if not cancelled:
+                task.handle = streaming  # cancel() disposes it (dispose, timeout, close)
+        if cancelled:
+            streaming.end(None)
+            return
+        try:
+            subscription = observable.subscribe(
+                streaming.on_next, streaming.on_error, streaming.on_completed
+            )
+        except Exception as exc:
+            streaming.end(exc)
+            return
+        streaming.attach(subscription)
+
+    def _deliver_item(self, task: _Task, item: Any) -> None:
+        """One item of an Observable job, to the subscriber (on its loop if it has one)."""
+        loop = task.loop
+        if loop is not None and _get_running_loop() is not loop:
+            with contextlib.suppress(RuntimeError):  # the subscriber's loop is closed
+                loop.call_soon_threadsafe(self._deliver_next, task.observer, item)
+            return
+        self._deliver_next(task.observer, item)
+
+    def _deliver_next(self, observer: abc.ObserverBase[Any], item: Any) -> None:
+        try:
+            observer.on_next(item)
+        except Exception:  # a subscriber's bug must not break the coordinator or other jobs
+            self._log.opt(exception=True).error("a subscriber of {!r} raised", self._name)
 
     def _discard_awaitable(self, awaitable: Any, token: Any) -> None:
         if inspect.iscoroutine(awaitable):
@@ -1007,7 +1046,8 @@ class TenantTaskCoordinator(Closeable):
     ) -> None:
         try:
             if error is None:
-                observer.on_next(value)
+                if value is not _STREAMED:  # an Observable job's items went out already
+                    observer.on_next(value)
                 observer.on_completed()
             else:
                 observer.on_error(cast(Exception, error))
@@ -1100,7 +1140,7 @@ class TenantTaskCoordinator(Closeable):
         self._release_slot(task)
         return idle
 
-    def _cancel_async(self, task: _Task, handle: asyncio.Future[Any]) -> None:
+    def _cancel_async(self, task: _Task, handle: asyncio.Future[Any] | _Streaming) -> None:
         loop = task.job_loop
         if loop is None or _get_running_loop() is loop:
             handle.cancel()
@@ -1157,6 +1197,73 @@ class TenantTaskCoordinator(Closeable):
         for task in tasks:
             task.lane = None  # its slot belonged to the dead pipeline
             self._cancel(task, error)
+
+
+_STREAMED: Final = object()  # the outcome of an Observable job: its items were delivered
+
+
+class _Streaming:
+    """An Observable job running to its end: forwards its items, then finishes the task.
+
+    ``cancel()`` (a dispose, a timeout, close) disposes the subscription, which by the Rx
+    contract ends it without a terminal notification: the task is finished here instead, so
+    its slot and key guard are given back exactly once either way.
+    """
+
+    __slots__ = ("_coordinator", "_done", "_lock", "_subscription", "_task", "_token")
+
+    def __init__(self, coordinator: TenantTaskCoordinator, task: _Task, token: Any) -> None:
+        self._coordinator = coordinator
+        self._task = task
+        self._token = token
+        self._lock = threading.Lock()
+        self._done = False
+        self._subscription: abc.DisposableBase | None = None
+
+    def attach(self, subscription: abc.DisposableBase) -> None:
+        with self._lock:
+            done = self._done
+            if not done:
+                self._subscription = subscription
+        if done:  # it ended (or was cancelled) while subscribing
+            subscription.dispose()
+
+    def on_next(self, item: Any) -> None:
+        if not self._task.settled and not self._done:
+            self._coordinator._deliver_item(self._task, item)
+
+    def on_error(self, error: Exception) -> None:
+        self.end(error)
+
+    def on_completed(self) -> None:
+        self.end(None)
+
+    def cancel(self) -> None:
+        with self._lock:
+            subscription = self._subscription
+            self._subscription = None
+        if subscription is not None:
+            subscription.dispose()
+        if self._token is _NO_TOKEN:
+            self.end(None)
+        else:  # leaving the key guard is a round trip: never on the timer thread (timeouts)
+            hand_off(lambda: self.end(None), "an Observable job's key guard")
+
+    def end(self, error: BaseException | None) -> None:
+        """Finish the task once: leave the key guard, free the slot, deliver the terminal."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        coordinator = self._coordinator
+        if self._token is not _NO_TOKEN:
+            assert coordinator._guard is not None
+            try:
+                coordinator._guard.exit(self._token)
+            except Exception as exc:
+                if error is None:
+                    error = exc
+        coordinator._finish(self._task, _STREAMED if error is None else None, error)
 
 
 async def _guarded(guard: KeyGuard, key: Hashable, awaitable: Awaitable[Any]) -> Any:
