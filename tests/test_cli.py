@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_support import assert_one_line_error, rxcoord_cli
 
 import rxcoord
 import rxcoord.leases
@@ -28,33 +29,6 @@ from rxcoord._cli.demo import DemoConfig, describe_workload, make_workload, run_
 from rxcoord._cli.main import main, store_url
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def rxcoord_cli(
-    *args: str, timeout: float = 120, code: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run the command line in a fresh interpreter (``code`` runs first, e.g. to hide a module)."""
-    command = ["-m", "rxcoord", *args]
-    if code is not None:
-        command = [
-            "-c",
-            f"{code}\nimport sys\nfrom rxcoord._cli.main import main\n"
-            f"sys.exit(main({list(args)!r}))",
-        ]
-    return subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, timeout=timeout
-    )
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess[str] | tuple[int, str]) -> str:
-    """Exit status 2, exactly one line on stderr, no traceback; returns the line."""
-    rc, stderr = (proc.returncode, proc.stderr) if not isinstance(proc, tuple) else proc
-    assert "Traceback" not in stderr, stderr
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, stderr
-    assert rc == 2, stderr
-    assert "error: " in lines[0]
-    return lines[0]
 
 
 # -- demo -----------------------------------------------------------------------------------
@@ -235,28 +209,6 @@ def test_whatever_the_provider_raises_is_one_line(
     line = assert_one_line_error((rc, captured.err))
     assert line.startswith("rxcoord: error: ")
     assert captured.out == ""
-
-
-def _postgres_url() -> str:
-    url = os.environ.get("RXCOORD_POSTGRES_URL")
-    if not url:
-        pytest.skip("set RXCOORD_POSTGRES_URL to run the CLI against a real PostgreSQL")
-    return url
-
-
-@pytest.mark.backend
-@pytest.mark.parametrize("what", ["wrong role", "missing database"])
-def test_postgres_refusing_the_connection_is_one_line(what: str) -> None:
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(_postgres_url())
-    host = parts.netloc.rsplit("@", 1)[-1]
-    if what == "wrong role":
-        url = urlunsplit(parts._replace(netloc=f"rxcoord_no_such_role@{host}"))
-    else:
-        url = urlunsplit(parts._replace(path="/rxcoord_no_such_database"))
-    line = assert_one_line_error(rxcoord_cli("demo", "--json", "--url", url))
-    assert "lease store" in line
 
 
 def test_version() -> None:
