@@ -14,10 +14,12 @@ from rxcoord.leases import MemoryLeases
 
 
 def test_constructor_parameters_are_keyword_only() -> None:
-    with pytest.raises(TypeError):
-        TenantTaskCoordinator(4)  # type: ignore[call-arg]
-    with pytest.raises(TypeError):
-        TenantScheduler(16, 2)  # type: ignore[call-arg]
+    coordinator: Any = TenantTaskCoordinator  # untyped on purpose: a caller's mistake
+    scheduler: Any = TenantScheduler
+    with pytest.raises(TypeError, match="positional"):
+        coordinator(4)
+    with pytest.raises(TypeError, match="positional"):
+        scheduler(16, 2)
     with TenantScheduler(16) as s:  # the first obvious one stays positional
         assert s.stats().max_concurrency == 16
 
