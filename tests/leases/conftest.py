@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -74,6 +75,21 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(0.002)
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``fn`` on a daemon thread; the list receives its result or exception."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
 
 
 # -- Redis ----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""What is specific to one backend: round trips, schema, configuration, URLs."""
+"""What is specific to one backend: round trips, schema, configuration, URLs, wake-ups."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from rxcoord.leases import (
+    DistributedLease,
     LeaseProvider,
     MemoryLeases,
     MemoryLeaseStore,
@@ -21,8 +22,9 @@ from rxcoord.leases import (
     SqliteLeases,
     leases_from_url,
 )
+from rxcoord.leases._notify import Listener
 
-from .conftest import drop_table
+from .conftest import drop_table, in_thread, wait_until
 
 # -- round trips ----------------------------------------------------------------------------
 
@@ -186,6 +188,39 @@ def test_postgres_accepts_a_schema_qualified_table(postgres_url: str) -> None:
             lease.release()
     finally:
         drop_table(postgres_url, table.split(".")[1])
+
+
+@pytest.mark.backend
+def test_postgres_providers_spelling_the_table_differently_wake_each_other(
+    monkeypatch: pytest.MonkeyPatch, postgres_url: str, name: str
+) -> None:
+    # One table, however spelled, one set of notification channels.
+    table = f"alias_{uuid.uuid4().hex[:10]}"
+    holder = PostgresLeases(postgres_url, table=table, timeout=2.0)
+    waiter = PostgresLeases(postgres_url, table=f"public.{table}", timeout=2.0)
+    subscribed = threading.Event()
+    acked = Listener._acked
+
+    def watch_acks(self: Listener, lease_name: str) -> None:
+        acked(self, lease_name)
+        if self is waiter._listener:
+            subscribed.set()
+
+    monkeypatch.setattr(Listener, "_acked", watch_acks)
+    try:
+        lease = holder.acquire(name, at_most_for=60.0)
+        wait, outcome = in_thread(lambda: waiter.acquire(name, 5.0, timeout=30.0))
+        assert subscribed.wait(10)  # the waiter listens: from now on it sleeps until notified
+        lease.release()
+        wait.join(15)
+        assert not wait.is_alive(), "the waiter was not woken by the release"
+        assert isinstance(outcome[0], DistributedLease), outcome
+        assert waiter.stats().notifications >= 1
+        outcome[0].release()
+    finally:
+        holder.close()
+        waiter.close()
+        drop_table(postgres_url, table)
 
 
 @pytest.mark.backend
@@ -401,4 +436,34 @@ def test_redis_leases_take_a_cluster_client_and_spread_names_over_the_nodes(
                 lease.release()
         assert client.ping()  # close() leaves the caller's client open
     finally:
+        client.close()
+
+
+@pytest.mark.backend
+def test_redis_client_with_decode_responses_still_wakes_waiters(redis_url: str, name: str) -> None:
+    import redis
+
+    prefix = f"decode:{uuid.uuid4().hex[:10]}:"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    holder = RedisLeases(client=client, prefix=prefix, timeout=2.0)
+    waiter = RedisLeases(client=client, prefix=prefix, timeout=2.0)
+    try:
+        lease = holder.acquire(name, at_most_for=60.0)
+        wait, outcome = in_thread(lambda: waiter.acquire(name, 5.0, timeout=30.0))
+        channel = f"{prefix}{{{name}}}:released"  # the key scheme in RedisLeases' docstring
+        wait_until(
+            lambda: dict(client.pubsub_numsub(channel)).get(channel) == 1,
+            what="the waiter's subscription",
+        )
+        lease.release()
+        wait.join(15)
+        assert isinstance(outcome[0], DistributedLease), outcome
+        # The release's message reaches the listener and is understood (with str replies it
+        # never matched). Waited for, not asserted at once: under load the waiter's last
+        # poll before its subscription was confirmed can take the lease first.
+        wait_until(lambda: waiter.stats().notifications >= 1, what="the release notification")
+        outcome[0].release()
+    finally:
+        holder.close()
+        waiter.close()
         client.close()

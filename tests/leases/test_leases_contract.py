@@ -330,6 +330,18 @@ def test_keep_alive_failure_marks_the_lease_lost_and_tells_the_holder(
     thief.release()
 
 
+def test_extend_to_a_shorter_duration_reschedules_keep_alive(backend: Backend, name: str) -> None:
+    holder, other = backend.new(), backend.new()
+    lease = holder.acquire(name, at_most_for=60.0, keep_alive=True)  # next renewal in 20 s
+    lease.extend(0.3)  # from now on renewed every 0.1 s
+    # One explicit extension, then renewals for longer than the new at_most_for: the lease
+    # would have expired by now without them.
+    wait_until(lambda: lease.stats().extensions >= 4, what="renewals at the new period")
+    assert other.try_acquire(name, 5.0) is None
+    assert lease.held
+    lease.release()
+
+
 # -- waiting --------------------------------------------------------------------------------
 
 
@@ -559,6 +571,28 @@ def test_lock_reports_a_lease_lost_during_the_block(backend: Backend, name: str)
     with pytest.raises(LeaseLost):
         block()
     assert leases[0].lost
+
+
+def test_lock_raises_lease_lost_on_exit_when_keep_alive_found_the_loss(
+    backend: Backend, name: str
+) -> None:
+    holder, other = backend.new(), backend.new()
+    told = threading.Event()
+    thieves: list[DistributedLease] = []
+
+    def block() -> None:
+        with holder.lock(name, at_most_for=0.3, keep_alive=True) as lease:
+            lease.on_lost(lambda _error: told.set())
+            lease.stop_keep_alive()  # a pause: the lease expires on the store
+            thieves.append(other.acquire(name, 5.0, timeout=10.0))
+            lease.start_keep_alive()  # its next renewal finds the lease gone
+            assert told.wait(10)
+            assert lease.lost
+
+    with pytest.raises(LeaseLost):
+        block()
+    assert thieves[0].held  # the exit did not touch the new holder's lease
+    thieves[0].release()
 
 
 def test_lock_lets_the_blocks_own_error_through(leases: LeaseProvider, name: str) -> None:

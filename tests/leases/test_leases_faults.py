@@ -4,10 +4,17 @@ PostgreSQL and Redis: throwaway servers are stopped (and crashed) for real. SQLi
 its outage is another process holding the database's exclusive lock past the provider's timeout,
 and its restart is closing every connection and reopening the file. MemoryLeases has no store
 apart from the process, so it has nothing to lose or restart (explicit skips below).
+
+A server that stops answering without closing its sockets is a real server frozen with
+``SIGSTOP``; a single failed call (a blip) is forced on MemoryLeases by a monkeypatched store
+step. The only bounded waits there tell "it happened" from "it hung": none measures speed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sqlite3
 import threading
 import time
@@ -19,9 +26,12 @@ from pathlib import Path
 import pytest
 
 from rxcoord.leases import (
+    DistributedLease,
     LeaseLost,
     LeaseProvider,
     LeaseStoreUnavailable,
+    MemoryLeases,
+    MemoryLeaseStore,
     PostgresLeases,
     RedisLeases,
     SqliteLeases,
@@ -31,6 +41,7 @@ from .conftest import (
     ThrowawayPostgres,
     ThrowawayRedis,
     drop_table,
+    in_thread,
     start_redis,
     wait_until,
 )
@@ -230,9 +241,6 @@ def persistent_redis() -> Iterator[ThrowawayRedis]:
 def test_redis_tokens_survive_a_crash_with_fsynced_persistence(
     persistent_redis: ThrowawayRedis,
 ) -> None:
-    import os
-    import signal
-
     import redis
 
     name = f"job-{uuid.uuid4().hex[:8]}"
@@ -267,3 +275,166 @@ def test_the_first_call_after_a_quiet_restart_succeeds(store: Store) -> None:
     assert again is not None
     again.release()
     assert leases.stats().store_errors == 0
+
+
+# -- a server that stops answering: no hang, loss reported by the lease's expiry ------------
+
+
+def _cluster_pids(server: ThrowawayPostgres) -> list[int]:
+    """The postmaster and its children (read from /proc: no ps needed)."""
+    master = int((server.data / "postmaster.pid").read_text().split()[0])
+    pids = [master]
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == master:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+@pytest.mark.backend
+def test_a_frozen_postgres_fails_calls_reports_loss_and_lets_close_return(
+    postgres_server: ThrowawayPostgres, name: str
+) -> None:
+    table = f"frozen_{uuid.uuid4().hex[:10]}"
+    url = postgres_server.url
+    # The keeper's own timeout is long: only capping renewals at the lease's remaining time
+    # can report its loss in time.
+    keeper = PostgresLeases(url, table=table, timeout=30.0)
+    caller = PostgresLeases(url, table=table, timeout=0.5)
+    pids: list[int] = []
+    try:
+        kept = keeper.acquire(name + "-kept", at_most_for=0.9, keep_alive=True)
+        held = caller.acquire(name + "-held", at_most_for=30.0)
+        told = threading.Event()
+        kept.on_lost(lambda _error: told.set())
+        pids = _cluster_pids(postgres_server)
+        _signal_all(pids, signal.SIGSTOP)
+
+        call, outcome = in_thread(lambda: caller.try_acquire(name, 5.0))
+        call.join(15)
+        assert not call.is_alive(), "a call to a frozen server hung"
+        assert isinstance(outcome[0], LeaseStoreUnavailable), outcome
+
+        assert told.wait(15), "keep-alive did not report the loss"
+        assert kept.lost
+
+        closer, _ = in_thread(caller.close)
+        closer.join(15)
+        assert not closer.is_alive(), "close() hung on a frozen server"
+        assert held.lost  # not released: it expires on its own
+    finally:
+        _signal_all(pids, signal.SIGCONT)
+        keeper.close()
+        caller.close()
+        drop_table(url, table)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[ThrowawayRedis]:
+    """A Redis server of this test's own, to freeze."""
+    server = start_redis()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.remove()
+
+
+@pytest.mark.backend
+def test_a_frozen_redis_keep_alive_reports_the_loss_by_the_expiry(
+    own_redis: ThrowawayRedis, name: str
+) -> None:
+    assert own_redis.proc is not None
+    with RedisLeases(own_redis.url, timeout=30.0) as leases:
+        kept = leases.acquire(name, at_most_for=0.6, keep_alive=True)
+        told = threading.Event()
+        kept.on_lost(lambda _error: told.set())
+        os.kill(own_redis.proc.pid, signal.SIGSTOP)
+        try:
+            # Without the cap the renewal would wait for the 30 s socket timeout.
+            assert told.wait(15), "keep-alive did not report the loss"
+            assert kept.lost
+        finally:
+            os.kill(own_redis.proc.pid, signal.SIGCONT)
+
+
+# -- a release that fails on a blip: keep-alive restarted, the renewal in flight survives ---
+
+
+def test_keep_alive_restarted_by_a_failed_release_survives_a_renewal_in_flight(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    store = MemoryLeaseStore()
+    leases, other = MemoryLeases(store), MemoryLeases(store)
+    in_extend, finish_extend = threading.Event(), threading.Event()
+    tick_decided, finish_tick = threading.Event(), threading.Event()
+    in_release, fail_release = threading.Event(), threading.Event()
+    extend, release, tick = (
+        leases._extend_lease,
+        leases._release_lease,
+        DistributedLease._keep_alive_tick,
+    )
+    first_extend, first_release = [True], [True]
+
+    def slow_extend(lease: DistributedLease, most: float, **kwargs: object) -> bool:
+        if first_extend[0]:
+            first_extend[0] = False
+            in_extend.set()
+            finish_extend.wait(10)  # the first renewal stays in flight
+        return extend(lease, most, **kwargs)  # type: ignore[arg-type]
+
+    def failing_release(lease: DistributedLease) -> bool:
+        if first_release[0]:
+            first_release[0] = False
+            in_release.set()
+            fail_release.wait(10)
+            raise LeaseStoreUnavailable("a blip")
+        return release(lease)
+
+    def held_tick(self: DistributedLease) -> float | None:
+        delay = tick(self)
+        if delay is None and not tick_decided.is_set():
+            tick_decided.set()  # decided to stop (the lease was being released)...
+            finish_tick.wait(10)  # ...and finishes only after keep-alive was restarted
+        return delay
+
+    monkeypatch.setattr(leases, "_extend_lease", slow_extend)
+    monkeypatch.setattr(leases, "_release_lease", failing_release)
+    monkeypatch.setattr(DistributedLease, "_keep_alive_tick", held_tick)
+    try:
+        lease = leases.acquire(name, at_most_for=0.6, keep_alive=True)  # renewed every 0.2 s
+        assert in_extend.wait(10)
+        releasing, outcome = in_thread(lease.release)
+        assert in_release.wait(10)
+        finish_extend.set()
+        assert tick_decided.wait(10)
+        fail_release.set()
+        releasing.join(10)
+        assert isinstance(outcome[0], LeaseStoreUnavailable), outcome
+        assert lease.held
+        assert lease.keep_alive  # restarted
+        finish_tick.set()
+        # The restarted renewals go on: more of them than fit in one at_most_for.
+        wait_until(lambda: lease.stats().extensions >= 4, 10.0, "the restarted renewals")
+        assert leases.stats().keep_alive == 1
+        assert other.try_acquire(name, 5.0) is None
+        lease.release()
+    finally:
+        finish_extend.set()
+        fail_release.set()
+        finish_tick.set()
+        leases.close()
+        other.close()

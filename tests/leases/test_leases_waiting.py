@@ -2,9 +2,11 @@
 
 The first section is issue 11's requirement 1, over every backend: hundreds of waiters on one
 taken name park no threads, and all of them then get the lease one after another. The others
-force, one at a time, each race between a grant and the waiter leaving (disposed, timed out,
-cancelled, provider closed), deterministically: a monkeypatched step holds the window open
-where the race lives, and the only bounded waits tell "it happened" from "it hung".
+force, one at a time, each race between a release and a waiter's registration or
+subscription, between a grant and the waiter leaving (disposed, timed out, cancelled, provider
+closed), and between close() and a release under way, deterministically: a monkeypatched step
+holds the window open where the race lives, and the only bounded waits tell "it happened" from
+"it hung".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import pytest
 from reactivex import abc
+from reactivex import operators as ops
 from reactivex.disposable import Disposable
 from reactivex.scheduler.scheduler import Scheduler
 
@@ -30,14 +33,19 @@ from rxcoord.leases import (
     MemoryLeases,
     MemoryLeaseStore,
 )
-from rxcoord.leases._notify import WaitHub, Watch
+from rxcoord.leases._notify import Listener, WaitHub, Watch
 
-from .conftest import Backend, wait_until
+from .conftest import Backend, in_thread, wait_until
 
 WAITERS = 300
 # Threads a provider may add for any number of waiters: its round-trip workers, the listener
 # (PostgreSQL, Redis) and rxcoord's shared timer thread, with room to spare.
 EXTRA_THREADS = 8
+# The backends whose waiters sleep until a release notifies them (a listener thread).
+LISTENING_BACKENDS = [
+    pytest.param("postgres", id="postgres", marks=pytest.mark.backend),
+    pytest.param("redis", id="redis", marks=pytest.mark.backend),
+]
 
 
 class Sequential:
@@ -217,7 +225,73 @@ def test_waiters_of_one_provider_are_served_in_arrival_order(name: str) -> None:
         assert order == list(range(10))
 
 
-# -- dispose vs grant -------------------------------------------------------------------------
+# -- release vs registration: no wake-up missed ---------------------------------------------
+
+
+def test_a_release_between_the_failed_try_and_the_registration_is_not_missed(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    store = MemoryLeaseStore()
+    holder, waiter = MemoryLeases(store), MemoryLeases(store)
+    lease = holder.acquire(name, at_most_for=60.0)
+    watch = WaitHub.watch
+
+    def late_watch(
+        self: WaitHub, watched: str, callback: Callable[[], object] | None = None
+    ) -> Watch:
+        if self is waiter._hub and lease.held:
+            lease.release()  # notifies before the waiter is registered: nobody hears it
+        return watch(self, watched, callback)
+
+    monkeypatch.setattr(WaitHub, "watch", late_watch)
+    try:
+        wait, outcome = in_thread(lambda: waiter.acquire(name, 5.0, timeout=30.0))
+        wait.join(10)
+        assert not wait.is_alive(), "the waiter sleeps until the old holder's expiry"
+        assert isinstance(outcome[0], DistributedLease), outcome
+        outcome[0].release()
+    finally:
+        holder.close()
+        waiter.close()
+
+
+@pytest.mark.parametrize("backend", LISTENING_BACKENDS, indirect=True)
+def test_a_subscription_kept_for_a_new_waiter_stays_confirmed(
+    monkeypatch: pytest.MonkeyPatch, backend: Backend, name: str
+) -> None:
+    # A waiter arriving as the last one leaves keeps a confirmed subscription.
+    leases = backend.new()
+    hold, held, go = threading.Event(), threading.Event(), threading.Event()
+    take_changes = Listener._take_changes
+
+    def held_take_changes(self: Listener) -> tuple[list[str], list[str]]:
+        if hold.is_set():
+            held.set()
+            go.wait(10)  # the listener thread acts only after the new waiter arrived
+        return take_changes(self)
+
+    monkeypatch.setattr(Listener, "_take_changes", held_take_changes)
+    hub: WaitHub = leases._hub
+    first = hub.watch(name)
+    try:
+        wait_until(lambda: first.confirmed, what="the first subscription")
+        hold.set()
+        first.close()  # the last waiter leaves...
+        assert held.wait(10)
+        second = hub.watch(name)  # ...and a new one arrives before the listener acts
+        hold.clear()
+        go.set()
+        try:
+            # Otherwise it would never be confirmed, and its waiter would poll forever.
+            wait_until(lambda: second.confirmed, 5.0, "the kept subscription to stay confirmed")
+        finally:
+            second.close()
+    finally:
+        go.set()
+        first.close()
+
+
+# -- dispose vs grant -----------------------------------------------------------------------
 
 
 class HeldScheduler(Scheduler):
@@ -297,6 +371,24 @@ def test_a_disposal_overlapping_the_delivery_leaves_the_lease_to_the_subscriber(
         assert leases.stats().held == 0
 
 
+def test_acquire_rx_leaves_the_lease_to_a_subscriber_that_disposes_on_receipt(
+    name: str,
+) -> None:
+    """``first()`` disposes upstream on the emitting thread: the lease was received."""
+    with MemoryLeases() as leases:
+        got: list[DistributedLease] = []
+        received = threading.Event()
+
+        def on_next(lease: DistributedLease) -> None:
+            got.append(lease)
+            received.set()
+
+        leases.acquire_rx(name, 30.0).pipe(ops.first()).subscribe(on_next)
+        assert received.wait(10)
+        assert got[0].held
+        got[0].release()
+
+
 def test_a_subscriber_whose_on_next_raises_does_not_keep_the_lease(name: str) -> None:
     with MemoryLeases() as leases:
         errors: list[Exception] = []
@@ -344,7 +436,7 @@ def test_a_waiter_leaving_while_its_queue_registers_unregisters_it(
         assert leases.stats().granted == 0
 
 
-# -- timeout vs grant -------------------------------------------------------------------------
+# -- timeout vs grant -----------------------------------------------------------------------
 
 
 def _hold_granting_attempts(
@@ -460,7 +552,7 @@ def test_an_interrupted_blocking_waiter_leaves_its_queue_working(
         wait_until(lambda: leases.stats().waiting == 0 and leases.stats().held == 0)
 
 
-# -- cancel vs grant --------------------------------------------------------------------------
+# -- cancel vs grant ------------------------------------------------------------------------
 
 
 async def until(predicate: Callable[[], bool]) -> None:
@@ -526,7 +618,7 @@ async def test_a_task_cancelled_after_its_grant_arrived_leaks_nothing(
         lease.release()
 
 
-# -- close vs waiting -------------------------------------------------------------------------
+# -- close vs waiting and releasing ---------------------------------------------------------
 
 
 def test_close_fails_every_kind_of_waiter(backend: Backend, name: str) -> None:
@@ -598,6 +690,38 @@ def test_close_while_a_grant_is_in_flight_leaks_nothing(name: str) -> None:
         lease = holder_side.try_acquire(name, 5.0)
         assert lease is not None
         lease.release()
+
+
+def test_close_releases_a_lease_whose_release_it_interrupted(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    store = MemoryLeaseStore()
+    leases, other = MemoryLeases(store), MemoryLeases(store)
+    lease = leases.acquire(name, at_most_for=30.0)
+    entered, proceed = threading.Event(), threading.Event()
+    release = leases._release_lease
+
+    def held_release(held: DistributedLease) -> bool:
+        entered.set()
+        proceed.wait(10)  # release() is under way ("releasing") while close() starts
+        return release(held)  # finds the provider closing: LeaseProviderClosed
+
+    monkeypatch.setattr(leases, "_release_lease", held_release)
+    releasing, outcome = in_thread(lease.release)
+    assert entered.wait(10)
+    closer, _ = in_thread(leases.close)
+    wait_until(lambda: leases.closed)
+    closer.join(0.5)  # give close() time to reach the lease (it now waits for the release)
+    proceed.set()
+    releasing.join(10)
+    closer.join(10)
+    assert not closer.is_alive()
+    assert isinstance(outcome[0], LeaseProviderClosed), outcome
+    assert lease.released  # close() released it, as LeaseProviderClosed promises
+    again = other.try_acquire(name, 5.0)
+    assert again is not None
+    again.release()
+    other.close()
 
 
 def test_waiting_after_close_fails_at_once(name: str) -> None:
