@@ -333,10 +333,13 @@ def test_keep_alive_failure_marks_the_lease_lost_and_tells_the_holder(
 def test_extend_to_a_shorter_duration_reschedules_keep_alive(backend: Backend, name: str) -> None:
     holder, other = backend.new(), backend.new()
     lease = holder.acquire(name, at_most_for=60.0, keep_alive=True)  # next renewal in 20 s
-    lease.extend(0.3)  # from now on renewed every 0.1 s
-    # One explicit extension, then renewals for longer than the new at_most_for: the lease
-    # would have expired by now without them.
-    wait_until(lambda: lease.stats().extensions >= 4, what="renewals at the new period")
+    lease.extend(1.2)  # from now on renewed every 0.4 s
+    # One explicit extension, then renewals for longer than the new at_most_for (4 x 0.4 s >
+    # 1.2 s): the lease would have expired by now without them. (0.8 s of slack per renewal:
+    # a store write stalled by a busy machine must not look like a lost lease.)
+    wait_until(
+        lambda: lease.stats().extensions >= 5, timeout=15.0, what="renewals at the new period"
+    )
     assert other.try_acquire(name, 5.0) is None
     assert lease.held
     lease.release()
