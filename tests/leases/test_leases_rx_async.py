@@ -123,13 +123,13 @@ def test_run_with_keep_alive_outlives_at_most_for(backend: Backend, name: str) -
     other = backend.new()
 
     def job(lease: DistributedLease) -> int:
-        deadline = time.monotonic() + 0.8
+        deadline = time.monotonic() + 1.5  # 2.5 x at_most_for; renewals every 0.2 s
         while time.monotonic() < deadline:
             assert other.try_acquire(name, 5.0) is None
             time.sleep(0.05)
         return lease.stats().extensions
 
-    items, error = collect(backend.new().run(name, job, at_most_for=0.3, keep_alive=True))
+    items, error = collect(backend.new().run(name, job, at_most_for=0.6, keep_alive=True))
     assert error is None
     assert isinstance(items[0], int)
     assert items[0] >= 2
@@ -235,8 +235,8 @@ async def test_acquire_async_times_out(backend: Backend, name: str) -> None:
 
 async def test_lock_async_holds_and_releases(backend: Backend, name: str) -> None:
     leases = backend.new()
-    async with leases.lock_async(name, 0.3, keep_alive=True) as lease:
-        await asyncio.sleep(0.5)  # longer than at_most_for: keep-alive holds it
+    async with leases.lock_async(name, 0.6, keep_alive=True) as lease:
+        await asyncio.sleep(1.0)  # longer than at_most_for: keep-alive holds it
         assert await backend.new().try_acquire_async(name, 5.0) is None
         await lease.extend_async()
     assert lease.released
