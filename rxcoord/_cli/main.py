@@ -253,8 +253,8 @@ def _demo(args: argparse.Namespace) -> int:
     url = store_url(args.store, args.url)
     _check_store(url)
     kafka = resolve_kafka(args.kafka, disabled=args.no_kafka)
-    if kafka.source == "--kafka" and kafka.bootstrap is not None:
-        check_kafka(kafka.bootstrap)  # named explicitly: unreachable is an error, not a skip
+    if kafka.bootstrap is not None:  # named explicitly: unreachable is an error, not a skip
+        check_kafka(kafka.bootstrap, kafka.source)
     config = DemoConfig(
         tenants=args.tenants,
         customers=args.customers,

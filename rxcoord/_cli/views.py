@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -65,7 +66,8 @@ def show_demo(config: DemoConfig) -> int:
     if report.kafka.ran:
         console.print(_kafka_table(report.kafka))
     else:
-        console.print(f"[yellow]note:[/] kafka stage skipped: {report.kafka.skipped}")
+        note = f"[yellow]note:[/] kafka stage skipped: {escape(report.kafka.skipped or '')}"
+        console.print(note, soft_wrap=True)  # one line, however narrow the terminal
     console.print(_checks_table(report))
     verdict = "[bold green]all checks passed[/]" if report.ok else "[bold red]CHECKS FAILED[/]"
     console.print(f"{verdict} in {report.seconds:.1f} s")
@@ -180,7 +182,7 @@ def _kafka_table(kafka: KafkaReport) -> Table:
     assert w is not None
     table = Table(
         title=(
-            f"Kafka: KeyedConsumer on {kafka.broker}; workload fixed by --seed {w.seed} "
+            f"Kafka: KeyedConsumer on {escape(kafka.broker)}; workload fixed by --seed {w.seed} "
             f"(fingerprint {w.fingerprint}), the rest timing-dependent"
         ),
         title_justify="left",
