@@ -93,6 +93,8 @@ def test_the_table_shows_the_kafka_stage_and_its_checks() -> None:
     skipped = [line for line in proc.stdout.splitlines() if "kafka stage skipped" in line]
     if skipped:  # Tansu did not start
         broker_unavailable(skipped[0])
+    if proc.returncode == 2:  # RXCOORD_KAFKA_BOOTSTRAP names a broker that is down
+        broker_unavailable(proc.stderr.strip())
     assert proc.returncode == 0, proc.stderr
     for text in (
         "Kafka: KeyedConsumer on",

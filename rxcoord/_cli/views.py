@@ -56,6 +56,8 @@ def show_demo(config: DemoConfig) -> int:
             on_record=on_record,
         )
         progress.update(ticks, completed=config.ticks)
+        if records is not None and not report.kafka.ran:  # Tansu did not start: see the note
+            progress.remove_task(records)
     console.print(_tenant_table(report))
     console.print(
         "[dim]timing-dependent: which messages find their tenant's queue full (rejected) "
