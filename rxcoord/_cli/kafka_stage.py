@@ -33,6 +33,7 @@ __all__ = [
     "KafkaReport",
     "KafkaWorkload",
     "check_kafka",
+    "describe_kafka_workload",
     "make_kafka_workload",
     "resolve_kafka",
     "run_kafka_stage",
@@ -73,9 +74,11 @@ def make_kafka_workload(seed: int) -> list[KafkaRecord]:
     keys = [f"customer-{k:03d}" for k in range(KEYS)]
     weights = [1.0 / (rank + 1) ** 0.8 for rank in range(KEYS)]  # a few busy customers
     seqs: Counter[str] = Counter()
+    # Every customer orders at least once; the rest go mostly to the busy ones.
+    order = keys + rng.choices(keys, weights, k=RECORDS - KEYS)
+    rng.shuffle(order)
     records = []
-    for _ in range(RECORDS):
-        key = rng.choices(keys, weights)[0]
+    for key in order:
         io = rng.uniform(0.001, 0.004) if rng.random() > 0.03 else 0.02  # a few slow calls
         records.append(KafkaRecord(key, seqs[key], zlib.crc32(key.encode()) % PARTITIONS, io))
         seqs[key] += 1
