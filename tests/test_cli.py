@@ -69,7 +69,7 @@ def test_demo_table_output_separates_the_workload_from_timing_dependent_outcomes
 def test_two_runs_with_one_seed_describe_the_same_workload() -> None:
     # Whole runs, as a user would compare them: the workload is identical, whatever the
     # timing did to the outcomes.
-    args = ("demo", "--json", "--messages", "400", "--processes", "1", "--seed", "11")
+    args = ("demo", "--json", "--messages", "400", "--processes", "1", "--seed", "11", "--no-kafka")
     first, second = (json.loads(rxcoord_cli(*args).stdout) for _ in range(2))
     assert first["workload"] == second["workload"]
     assert first["workload"]["seed"] == 11
@@ -221,6 +221,8 @@ def test_help_says_what_the_seed_fixes_and_what_bench_does() -> None:
     demo = rxcoord_cli("demo", "--help").stdout
     assert "What --seed fixes" in demo
     assert "timing-dependent" in demo
+    assert "--no-kafka" in demo
+    assert "Kafka stage" in demo
     bench = rxcoord_cli("bench", "--help").stdout
     assert "met" in bench
     assert "too small to judge" in bench

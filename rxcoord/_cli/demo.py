@@ -11,6 +11,11 @@ Part 2 is ShedLock's scenario: several OS processes run the same scheduled job o
 schedule; a distributed lease (``at_least_for`` most of the period) lets exactly one of them run
 each tick. The processes log every run with its fencing token; a tick run twice is a failure.
 
+Part 3, when a Kafka broker is reachable, is a keyed workload through ``rxcoord.kafka``'s
+``KeyedConsumer`` on a real broker (:mod:`rxcoord._cli.kafka_stage`): nothing lost, per-key order,
+no overlap of one key, committed offsets equal to the end offsets. Without a broker it is skipped
+with a one-line note.
+
 What ``--seed`` fixes, and what it cannot: the workload - every message, its tenant, customer
 and position, the order of submission, and which messages are planned to fail, to overrun their
 timeout or to be cancelled - is a pure function of the config (:func:`make_workload`, summarised
@@ -42,6 +47,7 @@ from typing import Any, ClassVar
 
 from .._errors import TooManyTasks
 from .._tenant_scheduler import TenantScheduler
+from .kafka_stage import KafkaPlan, KafkaReport, resolve_kafka, run_kafka_stage
 
 __all__ = ["DemoConfig", "DemoReport", "Workload", "describe_workload", "make_workload", "run_demo"]
 
@@ -69,6 +75,7 @@ class DemoConfig:
     processes: int = 3
     ticks: int = 10
     period: float = 0.25
+    kafka: KafkaPlan | None = None  # None: the default broker, if any (see resolve_kafka)
 
     def __post_init__(self) -> None:
         for name in ("tenants", "customers", "messages", "processes", "ticks"):
@@ -186,6 +193,7 @@ class DemoReport:
         "scheduled_ticks",
         "tokens",
         "seconds",
+        *KafkaReport.TIMING_DEPENDENT,
     )
 
     workload: Workload
@@ -202,10 +210,11 @@ class DemoReport:
     tokens: list[int] = field(default_factory=list)
     store: str = ""
     seconds: float = 0.0
+    kafka: KafkaReport = field(default_factory=lambda: KafkaReport(ran=False, skipped="not run"))
 
     @property
     def ok(self) -> bool:
-        return not (
+        return self.kafka.ok and not (
             self.ordering_violations
             or self.exclusion_violations
             or self.limit_violations
@@ -216,6 +225,7 @@ class DemoReport:
     def to_json(self) -> str:
         data = asdict(self)
         data["ok"] = self.ok
+        data["kafka"]["ok"] = self.kafka.ok
         data["timing_dependent"] = list(self.TIMING_DEPENDENT)
         return json.dumps(data, indent=2)
 
@@ -476,20 +486,25 @@ def run_demo(
     config: DemoConfig,
     on_message: Callable[[int], None] | None = None,
     on_tick: Callable[[int], None] | None = None,
+    on_record: Callable[[int], None] | None = None,
 ) -> DemoReport:
-    """Run both parts of the demo and check them.
+    """Run the parts of the demo and check them.
 
     Args:
         config: What to run.
         on_message: Called with the number of messages settled so far (a progress bar).
         on_tick: Called with the number of scheduled-job ticks elapsed so far.
+        on_record: Called with the number of Kafka records handled so far.
 
     Raises:
-        RuntimeError: A scheduled-job process failed (its last stderr line is in the message).
+        RuntimeError: A scheduled-job process failed (its last stderr line is in the message),
+            or the Kafka broker failed during the Kafka stage.
     """
     started = time.perf_counter()
     rows, checker = run_service(config, on_message)
     runs, ticks, double, tokens, store = run_scheduled_job(config, on_tick)
+    plan = config.kafka if config.kafka is not None else resolve_kafka(None, disabled=False)
+    kafka = run_kafka_stage(plan, config.seed, on_record)
     token_violations = sum(1 for a, b in itertools.pairwise(tokens) if b <= a)
     limit_violations = sum(1 for r in rows if r.max_running > r.limit) + (
         checker.max_total > GLOBAL_LIMIT
@@ -509,6 +524,7 @@ def run_demo(
         tokens=tokens,
         store=store,
         seconds=time.perf_counter() - started,
+        kafka=kafka,
     )
 
 

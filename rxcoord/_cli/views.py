@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .demo import DemoConfig, DemoReport, Workload, describe_workload, run_demo
+from .kafka_stage import KafkaReport, describe_kafka_workload, resolve_kafka
 
 __all__ = ["show_demo"]
 
@@ -17,6 +21,8 @@ def show_demo(config: DemoConfig) -> int:
     if not console.is_terminal:  # piped: do not squeeze the tables into 80 columns
         console = Console(width=max(console.width, 120))
     workload = describe_workload(config)
+    plan = config.kafka if config.kafka is not None else resolve_kafka(None, disabled=False)
+    config = dataclasses.replace(config, kafka=plan)
     console.print(
         f"[bold]rxcoord demo[/]: {workload.messages:,} messages from {config.customers} customers "
         f"of {len(workload.tenants)} tenants (tenant-0 floods), seed {config.seed}"
@@ -34,12 +40,24 @@ def show_demo(config: DemoConfig) -> int:
         ticks = progress.add_task(
             f"scheduled job, {config.processes} processes", total=config.ticks
         )
+        records = None
+        if plan.skipped is None:
+            total = describe_kafka_workload(config.seed).records
+            records = progress.add_task("kafka records handled", total=total)
+
+        def on_record(n: int) -> None:
+            if records is not None:
+                progress.update(records, completed=n)
+
         report = run_demo(
             config,
             on_message=lambda n: progress.update(messages, completed=n),
             on_tick=lambda n: progress.update(ticks, completed=n),
+            on_record=on_record,
         )
         progress.update(ticks, completed=config.ticks)
+        if records is not None and not report.kafka.ran:  # Tansu did not start: see the note
+            progress.remove_task(records)
     console.print(_tenant_table(report))
     console.print(
         "[dim]timing-dependent: which messages find their tenant's queue full (rejected) "
@@ -47,6 +65,11 @@ def show_demo(config: DemoConfig) -> int:
         "and the latencies; they change from run to run. The workload above and the checks "
         "below do not.[/]"
     )
+    if report.kafka.ran:
+        console.print(_kafka_table(report.kafka))
+    else:
+        note = f"[yellow]note:[/] kafka stage skipped: {escape(report.kafka.skipped or '')}"
+        console.print(note, soft_wrap=True)  # one line, however narrow the terminal
     console.print(_checks_table(report))
     verdict = "[bold green]all checks passed[/]" if report.ok else "[bold red]CHECKS FAILED[/]"
     console.print(f"{verdict} in {report.seconds:.1f} s")
@@ -137,6 +160,62 @@ def _checks_table(report: DemoReport) -> Table:
         ),
         ("fencing tokens out of order", report.token_order_violations),
     ]
+    kafka = report.kafka
+    if kafka.ran:
+        rows += [
+            (
+                f"kafka: records lost (of {kafka.handled + kafka.checks['lost']})",
+                kafka.checks["lost"],
+            ),
+            ("kafka: per-key order violations", kafka.checks["ordering_violations"]),
+            ("kafka: one key's records overlapping", kafka.checks["overlap_violations"]),
+            (
+                "kafka: partitions whose committed offset is not the end offset",
+                kafka.checks["commit_mismatches"],
+            ),
+        ]
     for name, found in rows:
         table.add_row(name, str(found), "[green]ok[/]" if found == 0 else "[red]FAIL[/]")
+    return table
+
+
+def _kafka_table(kafka: KafkaReport) -> Table:
+    w = kafka.workload
+    assert w is not None
+    table = Table(
+        title=(
+            f"Kafka: KeyedConsumer on {escape(kafka.broker)}; workload fixed by --seed {w.seed} "
+            f"(fingerprint {w.fingerprint}), the rest timing-dependent"
+        ),
+        title_justify="left",
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    offsets = ", ".join(f"p{p} {kafka.committed.get(p)}/{e}" for p, e in kafka.end_offsets.items())
+    stats = kafka.stats
+    rows = [
+        ("records / keys / partitions (fixed)", f"{w.records} / {w.keys} / {w.partitions}"),
+        ("records per partition (fixed)", " ".join(str(n) for n in w.per_partition)),
+        ("records of the busiest key (fixed)", str(w.largest_key)),
+        ("handled (duplicates)", f"{kafka.handled} ({kafka.duplicates})"),
+        ("committed / end offset per partition", offsets),
+        ("handlers running at once, max / limit", f"{kafka.max_running} / {kafka.max_concurrency}"),
+        ("throughput, first to last record", f"{kafka.records_per_second:,.0f} records/s"),
+        ("stage time (broker start and group join included)", f"{kafka.seconds:.1f} s"),
+        (
+            "stats(): fetched / completed / failed / dropped",
+            f"{stats['fetched']} / {stats['completed']} / {stats['failed']} / {stats['dropped']}",
+        ),
+        (
+            "stats(): commit requests / assignments and revocations",
+            f"{stats['commits']} / {stats['rebalances']}",
+        ),
+        (
+            "stats() peaks: in flight / queued / longest key queue",
+            f"{stats.get('peak_in_flight', 0)} / {stats.get('peak_queued', 0)} / "
+            f"{stats.get('peak_longest_key_queue', 0)}",
+        ),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
     return table
