@@ -101,7 +101,8 @@ async def test_an_async_job_runs_under_the_lease_and_its_result_is_emitted(
     async def job(lease: DistributedLease) -> int:
         await asyncio.sleep(0.05)  # suspended: the lease must still be held
         holder = await other.holder_async(name)
-        seen.append((await other.try_acquire_async(name, 5.0) is None, holder and holder.token))
+        token = None if holder is None else holder.token
+        seen.append((await other.try_acquire_async(name, 5.0) is None, token))
         return lease.token
 
     token = await leases.run(name, job)
