@@ -123,7 +123,9 @@ class LeaseProvider(Closeable):
       (``rxcoord-<backend>-leases``): renewals must not run on the shared timer thread;
     * PostgreSQL and Redis: one listener thread owning the notification connection;
     * while a subscriber's code runs (``acquire_rx``'s ``on_next``, ``run``'s job) without a
-      ``scheduler``: a thread of its own for that delivery, gone when it returns.
+      ``scheduler``: a thread of its own for that delivery, gone when it returns; likewise for
+      ``run``'s release (and the notifications after it) when the job's work ended on an event
+      loop, which a store round trip must not block.
 
     Timeouts, expiry wake-ups, poll backoff and renewals are entries on rxcoord's one shared
     timer thread. Blocking ``acquire``/``lock`` park the caller's own thread.

@@ -235,6 +235,29 @@ async def test_cancelling_the_awaiting_task_cancels_the_coroutine_under_the_leas
     assert cleanup == [True]
 
 
+async def test_the_release_after_an_async_job_does_not_block_the_loop(name: str) -> None:
+    # The release is a store round trip: it (and the completion after it) leaves the loop.
+    leases = MemoryLeases()
+    loop = asyncio.get_running_loop()
+    completed = asyncio.Event()
+    items: list[int] = []
+    threads: list[threading.Thread] = []
+
+    async def job(lease: DistributedLease) -> int:
+        await asyncio.sleep(0)
+        return 1
+
+    def on_completed() -> None:
+        threads.append(threading.current_thread())
+        loop.call_soon_threadsafe(completed.set)
+
+    leases.run(name, job).subscribe(items.append, on_completed=on_completed)
+    await asyncio.wait_for(completed.wait(), 10)
+    assert items == [1]
+    assert threads[0] is not threading.current_thread()
+    assert leases.stats().held == 0
+
+
 def test_an_async_job_subscribed_without_a_loop_is_a_clear_error(name: str) -> None:
     leases = MemoryLeases()
 
