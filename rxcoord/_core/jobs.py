@@ -150,6 +150,9 @@ class JobRun:
         False: the work has ended (a value, an error) and the lease was released, or it is an
         Observable, whose terminal (or disposal) releases the lease.
         """
+        if type(result) in _PLAIN:  # the common case, without the four checks below
+            self._finish_value(result)
+            return False
         if isinstance(result, abc.ObservableBase):
             if not self.done:  # disposed while fn ran: do not start it
                 self.inner.disposable = result.subscribe(
@@ -255,6 +258,12 @@ def subscriber_loop(scheduler: abc.SchedulerBase | None) -> asyncio.AbstractEven
     if isinstance(scheduler, AsyncIOScheduler):
         return scheduler._loop
     return asyncio._get_running_loop()
+
+
+# Exact types that are never work to run (a subclass could be an awaitable: not listed).
+_PLAIN: frozenset[type] = frozenset(
+    {type(None), bool, int, float, str, bytes, tuple, list, dict, set, frozenset}
+)
 
 
 def _cancel_concurrent(future: concurrent.futures.Future[Any]) -> None:

@@ -1068,6 +1068,8 @@ class _LeaseRun(JobRun):
         self._off_loop(finish)
 
     def dispose(self) -> None:
+        if self.done:  # final once set: the work has ended (or was disposed) and released
+            return
         self.provider._waits.leave(self.pending)  # cancels the wait if it still waits
         with self.lock:
             self.done = True
