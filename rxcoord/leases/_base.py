@@ -29,6 +29,7 @@ cancellation and close racing with the grant.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import weakref
 from abc import abstractmethod
@@ -36,7 +37,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from time import monotonic
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar, overload
 
 from loguru import logger
 from reactivex import Observable, abc
@@ -45,6 +46,7 @@ from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.observer import AutoDetachObserver
 
 from rxcoord._core.futures import AwaitableObservable, last_value
+from rxcoord._core.jobs import JobRun, Work, job_takes_lease, subscriber_loop
 from rxcoord._core.lifecycle import Closeable
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
 
@@ -121,7 +123,9 @@ class LeaseProvider(Closeable):
       (``rxcoord-<backend>-leases``): renewals must not run on the shared timer thread;
     * PostgreSQL and Redis: one listener thread owning the notification connection;
     * while a subscriber's code runs (``acquire_rx``'s ``on_next``, ``run``'s job) without a
-      ``scheduler``: a thread of its own for that delivery, gone when it returns.
+      ``scheduler``: a thread of its own for that delivery, gone when it returns; likewise for
+      ``run``'s release (and the notifications after it) when the job's work ended on an event
+      loop, which a store round trip must not block.
 
     Timeouts, expiry wake-ups, poll backoff and renewals are entries on rxcoord's one shared
     timer thread. Blocking ``acquire``/``lock`` park the caller's own thread.
@@ -379,10 +383,62 @@ class LeaseProvider(Closeable):
 
     # -- reactive forms -----------------------------------------------------------------------
 
+    @overload
+    def run(
+        self,
+        name: str,
+        job: Callable[[], Work[_R]],
+        *,
+        at_most_for: float = ...,
+        at_least_for: float = ...,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        keep_alive: bool = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    @overload
+    def run(
+        self,
+        name: str,
+        job: Callable[[DistributedLease], Work[_R]],
+        *,
+        at_most_for: float = ...,
+        at_least_for: float = ...,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        keep_alive: bool = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    @overload
+    def run(
+        self,
+        name: str,
+        job: Callable[[], _R],
+        *,
+        at_most_for: float = ...,
+        at_least_for: float = ...,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        keep_alive: bool = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    @overload
     def run(
         self,
         name: str,
         job: Callable[[DistributedLease], _R],
+        *,
+        at_most_for: float = ...,
+        at_least_for: float = ...,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        keep_alive: bool = ...,
+        scheduler: abc.SchedulerBase | None = ...,
+    ) -> Observable[_R]: ...
+    def run(
+        self,
+        name: str,
+        job: Callable[..., Any],
         *,
         at_most_for: float = 30.0,
         at_least_for: float = 0.0,
@@ -390,41 +446,70 @@ class LeaseProvider(Closeable):
         timeout: float | None = None,
         keep_alive: bool = False,
         scheduler: abc.SchedulerBase | None = None,
-    ) -> Observable[_R]:
-        """Run ``job(lease)`` only while holding the lease: ShedLock's executor, as an Observable.
+    ) -> Observable[Any]:
+        """Run ``job`` only while holding the lease: ShedLock's executor, as an Observable.
 
         On subscription the lease is taken (the store's round trips on the provider's worker
         threads, or the first one on ``scheduler`` if given; waiting parks no thread), then
-        ``job`` runs with the lease on ``scheduler``, by default on a thread started for the
-        job alone (never on the provider's workers, which a long job would starve, nor on the
-        timer thread or an event loop), the lease is released, and the result is emitted
-        followed by completion::
+        ``job`` is called with the lease on ``scheduler``, by default on a thread started for
+        the job alone (never on the provider's workers, which a long job would starve, nor on
+        the timer thread or an event loop). It is called as ``job(lease)`` - the fencing token
+        is ``lease.token`` - or as ``job()``: one callable without arguments is called so, one
+        that needs exactly one positional argument gets the lease (decided once, here, from its
+        signature, as ``KeyedLocks.run`` decides). What ``job`` returns is run to its real end
+        *under the lease*, the lease is released, and the Observable emits:
+
+        * a plain value - the value, then completion;
+        * a coroutine (``job`` is an ``async def``, or returns one), an asyncio future or any
+          other awaitable - run on the event loop that was running when ``run``'s Observable
+          was subscribed (``await provider.run(...)``: the awaiting loop); its result, then
+          completion. Without a running loop it is a ``TypeError`` to ``on_error``;
+        * a ``concurrent.futures.Future`` (say, from ``executor.submit``) - its result, then
+          completion;
+        * an Observable - subscribed at once; its items are forwarded while the lease is held,
+          and the lease is released before its completion (or error) is forwarded.
+
+        ::
 
             free:   --(result)|
             taken:  --|                  wait=False: skipped, completes empty
             taken:  ------(result)|      wait=True: runs once the lease is free
 
-        Errors: ``job``'s exception (the lease is released first); :class:`LeaseLost` if the
-        lease was lost before the job ended (its work may overlap a newer holder's);
-        ``LockTimeout`` when waiting past ``timeout``; ``LeaseStoreUnavailable``.
-        Disposing the subscription cancels a pending wait; a running job is not interrupted
-        (check ``lease.lost`` or use ``keep_alive``), but its result is dropped.
-        ``await provider.run(...)`` runs the job on a thread of its own (or on ``scheduler``,
-        if given: not the awaiting loop's, which the job would block) and returns the result;
-        skipped (``wait=False``), it raises ``SequenceContainsNoElementsError``, as awaiting
-        any empty Observable does.
+        The release is a store round trip: when the work ended on an event loop's thread (a
+        coroutine's task, an Observable completing there), the release and what follows it run
+        on a thread started for them, never blocking the loop.
+
+        Errors: ``job``'s exception or its work's (the lease is released first);
+        :class:`LeaseLost` instead of the completion if the lease was lost before the work
+        ended (its work may overlap a newer holder's; an Observable's items already emitted
+        stay emitted); ``LockTimeout`` when waiting past ``timeout``;
+        ``LeaseStoreUnavailable``. Disposing the subscription cancels a pending wait, or
+        disposes/cancels the work and releases the lease once that work has ended: a
+        cancelled coroutine keeps the lease until its cleanup has finished, a running
+        executor job that refuses ``cancel()`` until it is done; a running synchronous job is
+        not interrupted (check ``lease.lost`` or use ``keep_alive``), but its result is
+        dropped. ``await provider.run(...)`` calls the job on a thread of its own (or on
+        ``scheduler``, if given: not the awaiting loop's, which the job would block) and
+        returns the result; skipped (``wait=False``), it raises
+        ``SequenceContainsNoElementsError``, as awaiting any empty Observable does.
 
         Raises:
+            TypeError: ``job`` can be called neither as ``job()`` nor as ``job(lease)``
+                (raised here, not on subscription).
             ValueError: Bad arguments (raised here, not on subscription).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait_for = check_timeout(timeout)
+        pass_lease = job_takes_lease(job)  # once per call, not per subscription
 
         def subscribe(
-            observer: abc.ObserverBase[_R], scheduler_: abc.SchedulerBase | None = None
+            observer: abc.ObserverBase[Any], scheduler_: abc.SchedulerBase | None = None
         ) -> abc.DisposableBase:
             pending = self._waits.new(
                 name, most, least, wait_for if wait else 0.0, skip_taken=not wait
+            )
+            sink = _LeaseRun(
+                self, job, pass_lease, keep_alive, pending, observer, subscriber_loop(scheduler_)
             )
 
             def action() -> None:
@@ -437,37 +522,14 @@ class LeaseProvider(Closeable):
                     else:
                         observer.on_error(outcome.error)
                     return
-                lease = outcome
-                try:
-                    if keep_alive:
-                        _start_keep_alive(lease)
-                    result = job(lease)
-                except Exception as exc:
-                    lease._release_quietly()
-                    observer.on_error(exc)
-                    return
-                except BaseException as exc:  # SystemExit, a CancelledError from asyncio.run...
-                    lease._release_quietly()  # never kept (and kept alive) by a dead job
-                    failure = RuntimeError(f"the job raised {exc!r}")
-                    failure.__cause__ = exc
-                    observer.on_error(failure)
-                    raise
-                try:
-                    if lease.held:
-                        lease.release()
-                    elif lease.lost:
-                        lease.release()  # raises the LeaseLost that explains the loss
-                except Exception as exc:
-                    observer.on_error(exc)
-                    return
-                observer.on_next(result)
-                observer.on_completed()
+                sink.on_lease(outcome)
 
-            return self._start_rx(pending, action, scheduler or scheduler_)
+            self._start_rx(pending, action, scheduler or scheduler_)
+            return Disposable(sink.dispose)
 
         # ``await``: the subscription itself, on a thread of its own (through reactivex, the
         # wait and the job would run on the awaiting loop's thread), its outcome passed to the loop.
-        observable: AwaitableObservable[_R] = AwaitableObservable(
+        observable: AwaitableObservable[Any] = AwaitableObservable(
             subscribe, lambda: last_value(observable)
         )
         return observable
@@ -849,3 +911,171 @@ def _wrapped_on_next(observer: abc.ObserverBase[Any]) -> Callable[[Any], None]:
     if type(observer) is AutoDetachObserver and callable(wrapped):
         return wrapped  # type: ignore[no-any-return]
     return observer.on_next
+
+
+class _LeaseRun(JobRun):
+    """One subscription to ``run``: call the job under the lease, run its work, release, forward.
+
+    The work is run to its end by :class:`~rxcoord._core.jobs.JobRun` (the contract shared
+    with ``KeyedLocks.run``); this adds the distributed lease: keep-alive, the release (a
+    store round trip, kept off event loops) that turns a success into :class:`LeaseLost` if
+    the lease was lost meanwhile, and disposal. The job itself (and the subscription to the
+    Observable it returned) cannot be stopped: disposed meanwhile, ``on_lease`` releases the
+    lease when it returns.
+    """
+
+    __slots__ = (
+        "job",
+        "keep_alive",
+        "lease",
+        "lock",
+        "pass_lease",
+        "pending",
+        "provider",
+        "running",
+    )
+
+    no_loop_message = (
+        "the job returned an awaitable but run() was not subscribed on a running event loop; "
+        "subscribe (or await) it from a coroutine, or use lock_async"
+    )
+
+    def __init__(
+        self,
+        provider: LeaseProvider,
+        job: Callable[..., Any],
+        pass_lease: bool,
+        keep_alive: bool,
+        pending: LeaseWait,
+        observer: abc.ObserverBase[Any],
+        loop: asyncio.AbstractEventLoop | None,
+    ) -> None:
+        super().__init__(observer, loop)
+        self.provider = provider
+        self.job = job
+        self.pass_lease = pass_lease  # job(lease) rather than job() (see job_takes_lease)
+        self.keep_alive = keep_alive
+        self.pending = pending
+        self.lock = threading.Lock()
+        self.lease: DistributedLease | None = None
+        # The job (or the inner subscribe call) is executing, or the work it started is in
+        # flight: whoever ends it releases the lease, not dispose().
+        self.running = False
+
+    def on_lease(self, lease: DistributedLease) -> None:
+        """The lease, taken from the Waiter (on the delivery thread or ``scheduler``)."""
+        with self.lock:
+            abandoned = self.done
+            if not abandoned:
+                self.lease = lease
+                self.running = True
+        if abandoned:  # disposed since: the job never runs
+            lease._release_quietly()
+            return
+        in_flight = False
+        try:
+            in_flight = self._start_job(lease)
+        finally:
+            if not in_flight:
+                with self.lock:
+                    self.running = False
+                    # Disposed while the job ran: dispose() left the lease to us.
+                    orphaned = self.done and self.lease is not None
+                if orphaned:
+                    self._release()
+
+    def _start_job(self, lease: DistributedLease) -> bool:
+        """Call the job, start what it returned; True if a done-callback releases the lease."""
+        try:
+            if self.keep_alive:
+                _start_keep_alive(lease)
+            result = self.job(lease) if self.pass_lease else self.job()
+        except Exception as exc:
+            self._terminate(exc)
+            return False
+        except BaseException as exc:  # SystemExit, a CancelledError from asyncio.run...
+            forward, _ = self._claim()
+            lease._release_quietly()  # never kept (and kept alive) by a dead job
+            if forward:
+                failure = RuntimeError(f"the job raised {exc!r}")
+                failure.__cause__ = exc
+                self.observer.on_error(failure)
+            raise
+        return self.start(result)
+
+    def _claim(self) -> tuple[bool, DistributedLease | None]:
+        """End the run (once): (forward its terminal?, the lease to release or None)."""
+        with self.lock:
+            forward = not self.done
+            self.done = True
+            lease, self.lease = self.lease, None
+        return forward, lease
+
+    def _off_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (a release, then maybe the subscriber's code) here, unless on a loop."""
+        if asyncio._get_running_loop() is None:
+            fn()
+            return
+        try:
+            threading.Thread(target=fn, name=self.provider._deliver_name, daemon=True).start()
+        except RuntimeError:  # no thread to be had: better a blocked loop than a held lease
+            fn()
+
+    def _release(self) -> bool:
+        forward, lease = self._claim()
+        if lease is not None:
+            self._off_loop(lease._release_quietly)
+        return forward
+
+    def _finish_value(self, value: Any) -> None:
+        self._end(lambda: (self.observer.on_next(value), self.observer.on_completed()))
+
+    def _completed(self) -> None:
+        self._end(self.observer.on_completed)
+
+    def _end(self, success: Callable[[], object]) -> None:
+        """The work succeeded: release; forward ``success`` or the error the release found."""
+        forward, lease = self._claim()
+        if lease is None and not forward:
+            return
+
+        def finish() -> None:
+            if not forward:  # disposed: nobody to tell
+                if lease is not None:
+                    lease._release_quietly()
+                return
+            try:
+                if lease is not None and (lease.held or lease.lost):
+                    lease.release()  # lost: raises the LeaseLost that explains the loss
+            except Exception as exc:
+                self.observer.on_error(exc)
+                return
+            success()
+
+        self._off_loop(finish)
+
+    def _terminate(self, error: Exception) -> None:
+        forward, lease = self._claim()
+        if lease is None and not forward:
+            return
+
+        def finish() -> None:
+            if lease is not None:
+                lease._release_quietly()
+            if forward:
+                self.observer.on_error(error)
+
+        self._off_loop(finish)
+
+    def dispose(self) -> None:
+        if self.done:  # final once set: the work has ended (or was disposed) and released
+            return
+        self.provider._waits.leave(self.pending)  # cancels the wait if it still waits
+        with self.lock:
+            self.done = True
+            lease = None if self.running else self.lease
+            if lease is not None:
+                self.lease = None
+        self.inner.dispose()  # stop the work first, then release the lease
+        if lease is not None:
+            self._off_loop(lease._release_quietly)
