@@ -19,6 +19,7 @@ from reactivex.disposable import Disposable
 
 from .._core.checks import check_wait
 from .._core.futures import AwaitableObservable, LoopObserver, last_value
+from .._core.jobs import subscriber_loop
 from .._errors import LeaseReleasedError
 from ._lease import Lease
 from ._run import RunSink, Work, job_takes_lease
@@ -30,7 +31,6 @@ from ._waiting import (
     acquire_async,
     acquire_blocking,
     notify,
-    subscriber_loop,
 )
 
 __all__ = ["KeyedLocks", "KeyedLocksStats", "Lease"]

@@ -52,7 +52,6 @@ from loguru import logger
 from reactivex import abc
 from reactivex.disposable import Disposable
 from reactivex.observer.autodetachobserver import AutoDetachObserver
-from reactivex.scheduler.eventloop import AsyncIOScheduler
 
 from .._core import waiter as w
 from .._core.timer import TimerHandle, call_later
@@ -73,7 +72,6 @@ __all__ = [
     "acquire_async",
     "acquire_blocking",
     "notify",
-    "subscriber_loop",
 ]
 
 
@@ -533,16 +531,6 @@ class Acquisition:
         except Exception:  # a disposed scheduler, a closed loop: tell the subscriber here
             logger.opt(exception=True).error("rxcoord: could not schedule an error delivery")
         self.target.on_error(error)
-
-
-def subscriber_loop(scheduler: abc.SchedulerBase | None) -> asyncio.AbstractEventLoop | None:
-    """The asyncio loop a subscriber waits on: its subscribe-time scheduler's, or the running one.
-
-    (``await observable`` subscribes with an ``AsyncIOScheduler`` of the running loop.)
-    """
-    if isinstance(scheduler, AsyncIOScheduler):
-        return scheduler._loop
-    return asyncio._get_running_loop()
 
 
 # -- deliveries off the caller's thread ----------------------------------------------------------
