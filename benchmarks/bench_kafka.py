@@ -166,7 +166,9 @@ def _io() -> None:
     time.sleep(IO_SLEEP)
 
 
-def bench_rows(quick: bool = False, repeat: int | None = None) -> list[tuple[str, ...]]:
+def bench_rows(
+    quick: bool = False, repeat: int | None = None, **options: object
+) -> list[tuple[str, ...]]:
     """Rows (name, ours, baseline, baseline's figure, ratio, goal), measured on a real broker.
 
     Raises:
