@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from rxcoord.kafka import KeyedConsumer, Record
+from rxcoord.kafka import KeyedConsumer, PartitionStats, Record
 
 from .support import (
     Cluster,
@@ -50,9 +50,17 @@ def test_slow_key_pauses_only_its_partition(cluster: Cluster) -> None:
             f"{exc}: {consumer.stats()} committed={cluster.committed(topic, group, 4)} "
             f"end={produced.end} slow={slow_partition}"
         ) from None
+
+    def slow_stats() -> PartitionStats:
+        return next(p for p in consumer.stats().partitions if p.partition == slow_partition)
+
+    # Its uncommitted records reach the budget: paused. (Once the other partitions are done,
+    # the budget they freed lets it fetch a little further first: wait for the pause, do not
+    # sample one instant.)
+    wait_for(lambda: slow_stats().paused, 30, "the slow partition to pause")
     stats = consumer.stats()
-    slow = next(p for p in stats.partitions if p.partition == slow_partition)
-    assert slow.paused, stats  # its uncommitted records passed its share: paused
+    slow = slow_stats()
+    assert slow.paused, stats
     assert stats.paused_partitions == 1
     assert slow.committable in (None, slow_offset)  # the commit point is held by k7:0
     assert cluster.committed(topic, group, 4)[slow_partition] <= slow_offset
