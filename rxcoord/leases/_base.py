@@ -33,7 +33,7 @@ import asyncio
 import threading
 import weakref
 from abc import abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from time import monotonic
@@ -53,6 +53,7 @@ from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTime
 from ._background import Background
 from ._lease import DistributedLease, LeaseHolder
 from ._notify import WaitHub
+from ._permits import PermitReply
 from ._validate import MAX_DURATION, MAX_NAME_BYTES, check_lease_args, check_timeout
 from ._waiting import Failure, LeaseWait, Outcome, Waits
 
@@ -213,6 +214,44 @@ class LeaseProvider(Closeable):
     @abstractmethod
     def _store_close(self) -> None:
         """Close connections; must not raise."""
+
+    # -- fleet permits (see _permits.py): a backend offers them by overriding all three ----------
+
+    def _permits_acquire(
+        self,
+        group: str,
+        tenant: str,
+        want: int,
+        weight: float,
+        tenant_limit: int,
+        limit: int,
+        most: float,
+        demand_for: float,
+        more: bool,
+    ) -> PermitReply:
+        """The permit table's ``acquire`` step (``_permits.py``), one round trip.
+
+        Raises:
+            LeaseStoreUnavailable, LeaseStoreMisconfigured: As the lease primitives.
+        """
+        raise TypeError(f"{type(self).__name__} does not keep fleet permits")
+
+    def _permits_release(
+        self, group: str, permits: Sequence[tuple[int, str]], *, timeout: float | None = None
+    ) -> int:
+        """The ``release`` step: how many of ``(token, tenant)`` were still held; notifies."""
+        raise TypeError(f"{type(self).__name__} does not keep fleet permits")
+
+    def _permits_extend(
+        self,
+        group: str,
+        permits: Sequence[tuple[int, str]],
+        most: float,
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """The ``extend`` step: the tokens of ``permits`` no longer held."""
+        raise TypeError(f"{type(self).__name__} does not keep fleet permits")
 
     def _describe(self) -> str:
         return ""

@@ -17,11 +17,13 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any as _Any
 
 from .._base import LeaseProvider
 from .._notify import WaitHub
+from .._permits import PermitGroup, PermitReply, hub_name
 
 __all__ = ["MemoryLeaseStore", "MemoryLeaseStoreStats", "MemoryLeases"]
 
@@ -71,6 +73,7 @@ class MemoryLeaseStore:
         self._sweep_at = 64  # sweep expired records when the dict reaches this size...
         self._sweep_after = clock() + _SWEEP_EVERY  # ...or, on a grant, once this has passed
         self._hubs: weakref.WeakSet[WaitHub] = weakref.WeakSet()
+        self._groups: dict[str, PermitGroup] = {}  # fleet permits, one entry per busy group
 
     def attach(self, hub: WaitHub) -> None:
         with self._lock:
@@ -145,6 +148,60 @@ class MemoryLeaseStore:
             hub.notify(name)
         return True
 
+    # -- fleet permits (the reference table of _permits.py, under the store's lock) -------------
+
+    def _next_token(self) -> int:
+        self._last_token += 1
+        return self._last_token
+
+    def _notify(self, name: str) -> None:
+        with self._lock:
+            hubs = list(self._hubs)
+        for hub in hubs:
+            hub.notify(name)
+
+    def permits_acquire(self, group: str, *args: _Any) -> PermitReply:
+        with self._lock:
+            table = self._groups.get(group) or PermitGroup()
+            reply, notify = table.acquire(self.clock(), self._next_token, *args)
+            self._keep(group, table)
+        if notify:
+            self._notify(hub_name(group))
+        return reply
+
+    def permits_release(self, group: str, permits: Sequence[tuple[int, str]]) -> int:
+        with self._lock:
+            table = self._groups.get(group)
+            if table is None:
+                return 0
+            held = table.release(self.clock(), permits)
+            self._keep(group, table)
+        if held:
+            self._notify(hub_name(group))
+        return held
+
+    def permits_extend(
+        self, group: str, permits: Sequence[tuple[int, str]], most: float
+    ) -> list[int]:
+        with self._lock:
+            table = self._groups.get(group)
+            if table is None:
+                return [token for token, _ in permits]
+            lost = table.extend(self.clock(), permits, most)
+            self._keep(group, table)
+        return lost
+
+    def permit_groups(self) -> int:
+        """Groups with state in the store (0 once every group is idle)."""
+        with self._lock:
+            return len(self._groups)
+
+    def _keep(self, group: str, table: PermitGroup) -> None:
+        if table.empty:
+            self._groups.pop(group, None)
+        else:
+            self._groups[group] = table
+
 
 def _owned(record: _Record, token: int, now: float) -> bool:
     return record.token == token and not record.released and record.until > now
@@ -187,11 +244,28 @@ class MemoryLeases(LeaseProvider):
     def _store_close(self) -> None:
         self.store.detach(self._hub)
 
+    def _permits_acquire(self, group: str, *args: _Any) -> PermitReply:
+        return self.store.permits_acquire(group, *args)
+
+    def _permits_release(
+        self, group: str, permits: Sequence[tuple[int, str]], *, timeout: float | None = None
+    ) -> int:
+        return self.store.permits_release(group, permits)
+
+    def _permits_extend(
+        self,
+        group: str,
+        permits: Sequence[tuple[int, str]],
+        most: float,
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        return self.store.permits_extend(group, permits, most)
+
 
 # -- registry entry (see rxcoord/leases/_registry.py) ------------------------------------------
 # Kept in one block with its imports, so that a backend's registration reads as one unit.
 
-from typing import Any as _Any  # noqa: E402
 from typing import Final as _Final  # noqa: E402
 
 from .._registry import LeaseBackend  # noqa: E402

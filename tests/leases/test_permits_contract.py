@@ -1,0 +1,252 @@
+"""The fleet permit table's contract (rxcoord/leases/_permits.py), on every backend.
+
+These call the three store primitives directly: what a fleet admission builds on. Each test
+is one promise of the table: limits in one atomic step, tokens from the store-wide sequence,
+the stride rule's reservation for a tenant further behind, demand that expires, permits that
+expire and can be extended, notifications on release, and nothing left once a group is idle.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from rxcoord.leases import LeaseProvider
+from rxcoord.leases._permits import PermitReply, hub_name
+
+from .conftest import Backend, wait_until
+
+LONG = 60.0  # seconds: a permit or demand that must not expire during a test
+
+
+def acquire(
+    provider: LeaseProvider,
+    group: str,
+    tenant: str,
+    want: int = 1,
+    *,
+    weight: float = 1.0,
+    tenant_limit: int = 10,
+    limit: int = 10,
+    most: float = LONG,
+    demand_for: float = LONG,
+    more: bool = False,
+) -> PermitReply:
+    return provider._permits_acquire(
+        group, tenant, want, weight, tenant_limit, limit, most, demand_for, more
+    )
+
+
+@pytest.fixture
+def group() -> str:
+    return f"g-{uuid.uuid4().hex[:8]}"
+
+
+def test_uncontended_grant_and_release(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    before = backend.records()
+    reply = acquire(provider, group, "a")
+    assert len(reply.tokens) == 1
+    assert reply.tokens[0] > 0
+    assert (reply.running, reply.tenant_running) == (1, 1)
+    assert provider._permits_release(group, [(reply.tokens[0], "a")]) == 1
+    assert backend.records() == before, "an idle group must leave nothing in the store"
+
+
+def test_tokens_come_from_the_store_wide_sequence(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    lease = provider.try_acquire(f"lease-{group}", 30.0)
+    assert lease is not None
+    first = acquire(provider, group, "a", 2).tokens
+    assert len(first) == 2
+    assert min(first) > lease.token, "a permit's token must exceed every earlier grant's"
+    assert first[1] > first[0]
+    lease.release()
+    later = provider.try_acquire(f"lease-{group}", 30.0)
+    assert later is not None
+    assert later.token > max(first)
+    later.release()
+    provider._permits_release(group, [(t, "a") for t in first])
+
+
+def test_global_limit_holds_across_tenants(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    a = acquire(provider, group, "a", 2, limit=3)
+    b = acquire(provider, group, "b", 5, limit=3)
+    assert len(a.tokens) == 2
+    assert len(b.tokens) == 1, "only one of the three permits was left"
+    assert b.running == 3
+    assert b.wake_in is not None
+    assert 0 < b.wake_in <= LONG
+    c = acquire(provider, group, "c", 1, limit=3)
+    assert c.tokens == ()
+    provider._permits_release(group, [(t, "a") for t in a.tokens])
+    provider._permits_release(group, [(t, "b") for t in b.tokens])
+    acquire(provider, group, "b", 0)  # withdraw the demand left behind
+    acquire(provider, group, "c", 0)
+
+
+def test_tenant_limit_holds(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    a = acquire(provider, group, "a", 5, tenant_limit=2, limit=10)
+    assert len(a.tokens) == 2
+    assert a.tenant_running == 2
+    again = acquire(provider, group, "a", 1, tenant_limit=2, limit=10)
+    assert again.tokens == ()
+    b = acquire(provider, group, "b", 1, tenant_limit=2, limit=10)
+    assert len(b.tokens) == 1, "another tenant is not held back by a's limit"
+    assert b.running == 3
+    provider._permits_release(group, [(t, "a") for t in a.tokens] + [(b.tokens[0], "b")])
+    acquire(provider, group, "a", 0)
+
+
+def test_a_freed_permit_is_reserved_for_the_tenant_furthest_behind(
+    backend: Backend, group: str
+) -> None:
+    provider = backend.new()
+    # a takes the only permit and wants more: its pass is ahead of b, who then waits too.
+    a = acquire(provider, group, "a", 1, limit=1, more=True)
+    assert len(a.tokens) == 1
+    assert acquire(provider, group, "b", 1, limit=1).tokens == ()
+    assert provider._permits_release(group, [(a.tokens[0], "a")]) == 1
+    # a asks first, but b is behind its share: the free permit is b's.
+    assert acquire(provider, group, "a", 1, limit=1).tokens == ()
+    b = acquire(provider, group, "b", 1, limit=1)
+    assert len(b.tokens) == 1
+    provider._permits_release(group, [(b.tokens[0], "b")])
+    # b has no demand left: a gets the next one.
+    a2 = acquire(provider, group, "a", 1, limit=1)
+    assert len(a2.tokens) == 1
+    provider._permits_release(group, [(a2.tokens[0], "a")])
+
+
+def test_weights_give_proportional_starts(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    starts = {"heavy": 0, "light": 0}
+    held: dict[str, list[int]] = {"heavy": [], "light": []}
+    weights = {"heavy": 3.0, "light": 1.0}
+    # Both tenants always want one more; one permit; each round, release and let both ask.
+    for _ in range(40):
+        for tenant in ("light", "heavy"):
+            reply = acquire(provider, group, tenant, 1, weight=weights[tenant], limit=1, more=True)
+            if reply.tokens:
+                starts[tenant] += 1
+                held[tenant].extend(reply.tokens)
+        for tenant in held:
+            provider._permits_release(group, [(t, tenant) for t in held[tenant]])
+            held[tenant] = []
+    assert starts["heavy"] + starts["light"] >= 35
+    ratio = starts["heavy"] / max(1, starts["light"])
+    assert 2.0 <= ratio <= 4.5, starts
+    acquire(provider, group, "heavy", 0)
+    acquire(provider, group, "light", 0)
+
+
+def test_a_reservation_ends_when_the_demand_is_withdrawn(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    a = acquire(provider, group, "a", 1, limit=1, more=True)
+    assert acquire(provider, group, "b", 1, limit=1).tokens == ()
+    provider._permits_release(group, [(a.tokens[0], "a")])
+    acquire(provider, group, "b", 0)  # b's job left: it wants nothing any more
+    again = acquire(provider, group, "a", 1, limit=1)
+    assert len(again.tokens) == 1
+    provider._permits_release(group, [(again.tokens[0], "a")])
+
+
+def test_a_reservation_ends_when_the_demand_expires(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    a = acquire(provider, group, "a", 1, limit=1, more=True)
+    # b waits with a short-lived demand: it crashed and stops refreshing it.
+    blocked = acquire(provider, group, "b", 1, limit=1, demand_for=0.3)
+    assert blocked.tokens == ()
+    provider._permits_release(group, [(a.tokens[0], "a")])
+    assert acquire(provider, group, "a", 1, limit=1, more=True).tokens == ()
+    granted: list[int] = []
+
+    def a_gets_it() -> bool:
+        granted.extend(acquire(provider, group, "a", 1, limit=1).tokens)
+        return bool(granted)
+
+    wait_until(a_gets_it, 5.0, "b's expired demand to stop reserving the permit")
+    provider._permits_release(group, [(granted[0], "a")])
+
+
+def test_a_waiter_below_its_own_limit_only_reserves(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    # b is at its tenant limit: its demand must not hold a global permit back from a.
+    b = acquire(provider, group, "b", 2, tenant_limit=1, limit=3)
+    assert len(b.tokens) == 1
+    a = acquire(provider, group, "a", 2, tenant_limit=5, limit=3)
+    assert len(a.tokens) == 2
+    provider._permits_release(group, [(b.tokens[0], "b")] + [(t, "a") for t in a.tokens])
+    acquire(provider, group, "b", 0)
+
+
+def test_permits_expire_by_the_store_clock(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    short = acquire(provider, group, "a", 1, limit=1, most=0.3)
+    assert len(short.tokens) == 1
+    blocked = acquire(provider, group, "b", 1, limit=1)
+    assert blocked.tokens == ()
+    assert blocked.wake_in is not None
+    assert blocked.wake_in <= 0.3
+    granted: list[int] = []
+
+    def b_gets_it() -> bool:
+        granted.extend(acquire(provider, group, "b", 1, limit=1).tokens)
+        return bool(granted)
+
+    wait_until(b_gets_it, 5.0, "the expired permit to be reclaimed")
+    assert granted[0] > short.tokens[0]
+    assert provider._permits_release(group, [(short.tokens[0], "a")]) == 0, "it had expired"
+    assert provider._permits_extend(group, [(short.tokens[0], "a")], LONG) == [short.tokens[0]]
+    provider._permits_release(group, [(granted[0], "b")])
+
+
+def test_extend_keeps_a_permit_alive(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    reply = acquire(provider, group, "a", 1, most=0.5)
+    token = reply.tokens[0]
+    for _ in range(4):
+        time.sleep(0.2)
+        assert provider._permits_extend(group, [(token, "a")], 0.5) == []
+    assert provider._permits_release(group, [(token, "a")]) == 1, "extended past 0.5 s"
+    assert provider._permits_extend(group, [(token, "a")], 0.5) == [token]
+
+
+def test_release_checks_the_tenant_too(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    reply = acquire(provider, group, "a")
+    assert provider._permits_release(group, [(reply.tokens[0], "b")]) == 0
+    assert provider._permits_release(group, [(reply.tokens[0], "a")]) == 1
+    assert provider._permits_release(group, [(reply.tokens[0], "a")]) == 0, "released twice"
+
+
+def test_a_release_notifies_the_groups_waiters(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    other = backend.new()
+    watch = other._hub.watch(hub_name(group))
+    try:
+        if backend.notifies:
+            wait_until(lambda: watch.confirmed, 10.0, "the subscription")
+        reply = acquire(provider, group, "a")
+        provider._permits_release(group, [(reply.tokens[0], "a")])
+        if backend.notifies:
+            assert watch.wait(5.0), "the release did not reach the other provider's waiters"
+    finally:
+        watch.close()
+
+
+def test_idle_tenants_leave_nothing_behind(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    before = backend.records()
+    held = [(acquire(provider, group, f"t{i}", limit=3).tokens, f"t{i}") for i in range(3)]
+    for i in range(3, 8):
+        assert acquire(provider, group, f"t{i}", limit=3).tokens == ()
+    for tokens, tenant in held:
+        provider._permits_release(group, [(t, tenant) for t in tokens])
+    for i in range(3, 8):
+        acquire(provider, group, f"t{i}", 0)  # every waiter left
+    assert backend.records() == before
