@@ -6,7 +6,8 @@ Layers, each built on the ones before it:
 2. :class:`TenantTaskCoordinator` - a concurrency limit, a bounded queue (``TooManyTasks``),
    per-key ordering, cancellation and timeouts for sync and async jobs; two seams: an
    :class:`Admission` asked before each job runs, a :class:`KeyGuard` for keyed jobs.
-3. :class:`TenantScheduler` - many tenants, one global limit, fair shares, idle tenants evicted.
+3. :class:`TenantScheduler` - many tenants, one global limit, fair shares, idle tenants evicted;
+   with ``fleet=provider`` the limits and shares hold across processes (:class:`FleetAdmission`).
 4. :class:`KeyedLocks` - ownerless per-entity leases, bulk and global, FIFO, no polling, no leaks.
 5. :mod:`rxcoord.leases` - distributed leases on SQLite, PostgreSQL and Redis, fencing tokens.
 
@@ -33,6 +34,7 @@ from ._errors import (
     StaleToken,
     TooManyTasks,
 )
+from ._fleet import FleetAdmission, FleetPermit, FleetStats, current_permit
 from ._key_guard import KeyGuard, LeaseKeyGuard
 from ._locks import KeyedLocks, KeyedLocksStats, Lease
 from ._tenant_scheduler import SchedulerStats, TenantScheduler
@@ -46,6 +48,9 @@ __all__ = [
     "CoordinatorClosed",
     "CoordinatorState",
     "CoordinatorStats",
+    "FleetAdmission",
+    "FleetPermit",
+    "FleetStats",
     "KeyGuard",
     "KeyedLocks",
     "KeyedLocksStats",
@@ -66,6 +71,7 @@ __all__ = [
     "TenantTaskCoordinator",
     "TooManyTasks",
     "__version__",
+    "current_permit",
     "serialize_by_key",
 ]
 

@@ -49,7 +49,7 @@ class AdmissionTicket:
             ``release`` when the job ends.
     """
 
-    __slots__ = ("_release", "_waiter", "key", "permit")
+    __slots__ = ("_release", "_waiter", "error", "key", "permit")
 
     def __init__(self, release: Callable[[object], object], key: Hashable | None) -> None:
         self._release = release
@@ -58,9 +58,11 @@ class AdmissionTicket:
         self._waiter: Waiter[AdmissionTicket] = Waiter(self._give_back)
         self.key = key
         self.permit: object = None
+        self.error: BaseException | None = None
 
-    def _give_back(self, _ticket: AdmissionTicket) -> None:
-        self._release(self.permit)
+    def _give_back(self, _ticket: AdmissionTicket | None = None) -> None:
+        if self.error is None:  # a refused ticket holds nothing
+            self._release(self.permit)
 
     def grant(self, permit: object = None) -> bool:
         """Give the job its permit.
@@ -73,6 +75,19 @@ class AdmissionTicket:
             RuntimeError: The ticket was granted before.
         """
         self.permit = permit
+        return self._waiter.grant(self)
+
+    def refuse(self, error: BaseException) -> bool:
+        """Fail the job with ``error`` instead of granting it (e.g. the store is down).
+
+        Returns:
+            True if the job takes the refusal (it fails with ``error`` and releases nothing);
+            False if it had left already.
+
+        Raises:
+            RuntimeError: The ticket was granted (or refused) before.
+        """
+        self.error = error
         return self._waiter.grant(self)
 
     @property

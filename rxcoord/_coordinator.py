@@ -72,8 +72,9 @@ from ._core.lifecycle import Closeable, CoordinatorState
 from ._core.timer import call_later
 from ._core.waiter import GRANTED, PENDING
 from ._core.workers import WorkerPool, hand_off
-from ._errors import CoordinatorClosed, TooManyTasks
+from ._errors import CoordinatorClosed, LeaseLost, TooManyTasks
 from ._execution import AwaitObserver, execution
+from ._fleet import FleetAdmission, FleetPermit, FleetStats, with_permit
 from ._key_guard import KeyGuard, LeaseKeyGuard
 from .operators._serialize_by_key import SerializedSubscription, subscribe_serialized
 
@@ -104,7 +105,8 @@ class CoordinatorStats:
     disposed, or the coordinator closed) or ``timed_out`` - or it is still pending.
     ``work_in_progress`` is ``queued + running``; a cancelled sync job stays ``running`` until
     its thread returns. ``waiting`` counts submissions beyond the limits waiting for room
-    (``overflow="wait"``): not work in progress yet.
+    (``overflow="wait"``): not work in progress yet. ``fleet`` is the fleet admission's
+    snapshot (fleet-wide running counts as last seen from the store) with ``fleet=``.
     """
 
     name: str
@@ -119,6 +121,7 @@ class CoordinatorStats:
     max_concurrency: int
     max_queue_size: int
     waiting: int = 0
+    fleet: FleetStats | None = None
 
     @property
     def work_in_progress(self) -> int:
@@ -251,6 +254,12 @@ class TenantTaskCoordinator(Closeable):
         admission: An :class:`~rxcoord.Admission` asked for a permit each time a job's turn
             comes; the job runs once granted (counted as queued until then). ``None``: only
             this coordinator's own limits apply.
+        fleet: A lease provider (``rxcoord.leases``): ``max_concurrency`` then holds across
+            every coordinator with the same ``name`` (required) on the same store, in any
+            process (see :class:`~rxcoord.FleetAdmission`). Not with ``admission``.
+        permit_at_most_for: With ``fleet``: seconds a fleet permit outlives its last renewal
+            (renewed while its job runs), i.e. the most a crashed process keeps its slots. A
+            job whose permit lapsed (its process was paused past it) fails with ``LeaseLost``.
         on_idle: Called (outside the coordinator's lock, on the thread that finished the last
             job) each time the work in progress drops to zero.
         log_context: Extra fields bound to the coordinator's log records (loguru ``extra``),
@@ -280,6 +289,8 @@ class TenantTaskCoordinator(Closeable):
         lease_at_most_for: float = 30.0,
         key_guard: KeyGuard | None = None,
         admission: Admission | None = None,
+        fleet: LeaseProvider | None = None,
+        permit_at_most_for: float = 30.0,
         on_idle: Callable[[], object] | None = None,
         log_context: Mapping[str, Any] | None = None,
         overflow: str = "reject",
@@ -301,6 +312,16 @@ class TenantTaskCoordinator(Closeable):
                 f"admission must implement rxcoord.Admission (request, withdraw, release), "
                 f"not {admission!r}"
             )
+        permit_for = check_length(permit_at_most_for, "permit_at_most_for")
+        self._fleet: FleetAdmission | None = None
+        if fleet is not None:
+            if admission is not None:
+                raise ValueError("pass fleet= or admission=, not both")
+            # Every coordinator named like this one on the same store shares max_concurrency.
+            self._fleet = FleetAdmission(
+                fleet, name, max_concurrency, permit_at_most_for=permit_for
+            )
+            admission = self._fleet.lane(name)
         self._admission = admission
         if on_idle is not None and not callable(on_idle):
             raise TypeError(f"on_idle must be callable or None, not {on_idle!r}")
@@ -430,6 +451,7 @@ class TenantTaskCoordinator(Closeable):
                 max_concurrency=self._max_concurrency,
                 max_queue_size=self._max_queue_size,
                 waiting=self._waiting_count,
+                fleet=None if self._fleet is None else self._fleet.stats(),
             )
 
     @overload
@@ -528,11 +550,13 @@ class TenantTaskCoordinator(Closeable):
 
             if self._start_draining(on_idle):
                 await drained
-        self._close(wait=False)
+        self._close(wait=False, close_fleet=False)
         if self._owns_pool:
             assert self._pool is not None
             # Joining the workers waits for running sync jobs: on a helper thread, not here.
             await loop.run_in_executor(None, self._pool.shutdown, True)
+        if self._fleet is not None:
+            await loop.run_in_executor(None, self._fleet.close)  # round trips: not on the loop
 
     async def __aenter__(self) -> TenantTaskCoordinator:
         return self
@@ -557,7 +581,7 @@ class TenantTaskCoordinator(Closeable):
             self._after_settle(task, cleanup, error)
         return busy
 
-    def _close(self, wait: bool) -> None:
+    def _close(self, wait: bool, close_fleet: bool = True) -> None:
         with self._lock:
             if self._closing:
                 return
@@ -574,6 +598,8 @@ class TenantTaskCoordinator(Closeable):
         if self._owns_pool:
             assert self._pool is not None
             self._pool.shutdown(wait=wait)
+        if self._fleet is not None and close_fleet:
+            self._fleet.close()  # after the jobs: their permits go back first
         with self._lock:
             self._state = CoordinatorState.CLOSED
 
@@ -745,10 +771,18 @@ class TenantTaskCoordinator(Closeable):
                 self._running += 1
         if task.state is _DONE:
             self._release_slot(task)
-            ticket._release(ticket.permit)
+            ticket._give_back()
             if idle:
                 self._became_idle()
             return
+        if ticket.error is not None:  # refused (its store is down): the job fails unrun
+            task.ticket = None
+            self._finish(task, None, ticket.error)
+            return
+        permit = ticket.permit
+        if type(permit) is FleetPermit:  # current_permit() inside the job
+            assert task.job is not None
+            task.job = with_permit(task.job, permit, task.is_async)
         self._begin(task)
 
     def _begin(self, task: _Task) -> None:
@@ -984,6 +1018,12 @@ class TenantTaskCoordinator(Closeable):
 
     def _finish(self, task: _Task, value: Any, error: BaseException | None) -> None:
         """The job returned (or never could start): free the slot, then deliver the outcome."""
+        ticket = task.ticket
+        if ticket is not None and error is None and type(ticket.permit) is FleetPermit:
+            try:
+                ticket.permit.check()  # lapsed while the job ran: its result must not count
+            except LeaseLost as exc:
+                value, error = None, exc
         with self._lock:
             if task.state is _DONE:
                 return
@@ -1010,7 +1050,7 @@ class TenantTaskCoordinator(Closeable):
         # the permit is handed out, and competes for it fairly.
         self._release_slot(task)
         if ticket is not None:
-            ticket._release(ticket.permit)
+            ticket._give_back()
         if idle:
             self._became_idle()
         if deliver:

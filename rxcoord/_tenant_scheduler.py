@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from loguru import logger
 from reactivex import Observable, abc
@@ -55,6 +55,10 @@ from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
 from ._errors import CoordinatorClosed
 from ._execution import Execution, execution
+from ._fleet import FleetAdmission, FleetStats
+
+if TYPE_CHECKING:
+    from .leases import LeaseProvider
 
 __all__ = ["SchedulerStats", "TenantScheduler"]
 
@@ -70,6 +74,8 @@ class SchedulerStats:
     ``running`` counts jobs holding a global slot (never more than ``max_concurrency``);
     ``queued`` counts jobs accepted and not yet running, in tenants' queues or at the gate;
     ``waiting`` submissions beyond their tenant's limits waiting for room (``overflow="wait"``).
+    ``fleet``: with ``fleet=``, the fleet admission's snapshot: fleet-wide running counts (in
+    total and per tenant) as last seen from the store.
     """
 
     tenants: int
@@ -84,6 +90,7 @@ class SchedulerStats:
     running: int
     max_concurrency: int
     waiting: int = 0
+    fleet: FleetStats | None = None
 
     @property
     def work_in_progress(self) -> int:
@@ -132,10 +139,21 @@ class TenantScheduler(Closeable):
             here) or a callable (checked on the tenant's first job, which fails if it is bad).
         idle_timeout: Seconds a tenant stays idle before its state is dropped (0: at once,
             ``inf``: never).
-        name: Names the scheduler in logs and thread names.
+        name: Names the scheduler in logs and thread names; with ``fleet``, the name the fleet
+            shares (required).
         overflow: ``"reject"`` (``TooManyTasks`` beyond a tenant's limits, the default) or
             ``"wait"`` (wait for room in the tenant's FIFO), as for ``TenantTaskCoordinator``;
             ``execute(overflow=...)`` overrides it per call.
+        fleet: A lease provider (``rxcoord.leases``): the limits then hold across every
+            scheduler with the same ``name`` on the same store, in any process and host:
+            ``max_concurrency`` fleet-wide, ``tenant_max_concurrency`` per tenant fleet-wide
+            (tenants are identified by ``str(tenant)``), fair shares decided in the store.
+            Queues (``tenant_max_queue_size``, ``TooManyTasks``, ``overflow``) stay per
+            process. See :class:`~rxcoord.FleetAdmission`.
+        permit_at_most_for: With ``fleet``: seconds a fleet permit outlives its last renewal
+            (renewed while its job runs): the most a crashed process keeps its slots. A job
+            whose permit lapsed (its process was paused past it) fails with ``LeaseLost``;
+            :func:`~rxcoord.current_permit` gives a job its permit's fencing token.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -154,6 +172,8 @@ class TenantScheduler(Closeable):
         idle_timeout: float = 0.0,
         name: str = "",
         overflow: str = "reject",
+        fleet: LeaseProvider | None = None,
+        permit_at_most_for: float = 30.0,
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         tenant_limit = check_count(tenant_max_concurrency, "tenant_max_concurrency", 1)
@@ -172,6 +192,14 @@ class TenantScheduler(Closeable):
         self._name = check_name(name)
         self._log = logger.bind(scheduler=name)
         self._gate = FairShareGate(max_concurrency)
+        # fleet=: the store's permit table replaces the in-process gate (it counts this
+        # process's jobs too, and decides fair shares across the fleet).
+        self._fleet = (
+            None
+            if fleet is None
+            else FleetAdmission(fleet, name, max_concurrency, permit_at_most_for=permit_at_most_for)
+        )
+        self._tenant_limit = tenant_limit
         self._pool = (
             WorkerPool(max_concurrency, f"rxcoord-{name or 'tenants'}")
             if scheduler is None
@@ -301,6 +329,7 @@ class TenantScheduler(Closeable):
             running=running,
             max_concurrency=self._max_concurrency,
             waiting=waiting,
+            fleet=None if self._fleet is None else self._fleet.stats(),
             **totals,
         )
 
@@ -326,6 +355,8 @@ class TenantScheduler(Closeable):
         self._finish_close(tenants)
         if self._pool is not None:
             self._pool.shutdown(wait=wait)
+        if self._fleet is not None:
+            self._fleet.close()  # after the jobs: their permits go back first
         self._closed()
 
     async def aclose(self, *, drain: bool = False) -> None:
@@ -336,8 +367,11 @@ class TenantScheduler(Closeable):
         if drain:
             await asyncio.gather(*(t.coordinator.aclose(drain=True) for t in tenants))
         self._finish_close(tenants)
+        loop = asyncio.get_running_loop()
         if self._pool is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+            await loop.run_in_executor(None, self._pool.shutdown, True)
+        if self._fleet is not None:
+            await loop.run_in_executor(None, self._fleet.close)  # round trips: not on the loop
         self._closed()
 
     async def __aenter__(self) -> TenantScheduler:
@@ -370,7 +404,7 @@ class TenantScheduler(Closeable):
     def __repr__(self) -> str:
         return (
             f"<TenantScheduler {self._name!r} {self._state.value} tenants={len(self._tenants)} "
-            f"running={self._gate.running}/{self._max_concurrency}>"
+            f"running={self.stats().running}/{self._max_concurrency}>"
         )
 
     # -- submission and eviction ---------------------------------------------------------------
@@ -430,7 +464,11 @@ class TenantScheduler(Closeable):
         entry = _Tenant(tenant)
         coordinator = TenantTaskCoordinator(
             name=str(tenant),
-            admission=self._gate.lane(weight),
+            admission=(
+                self._gate.lane(weight)
+                if self._fleet is None
+                else self._fleet.lane(str(tenant), weight=weight, tenant_limit=self._tenant_limit)
+            ),
             on_idle=lambda: self._tenant_idle(entry),
             log_context={"tenant": tenant},
             **self._tenant_options,

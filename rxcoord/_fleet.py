@@ -1,0 +1,605 @@
+"""Fleet admission: one global limit and fair tenant shares across every process of a fleet.
+
+``TenantScheduler(name="payments", fleet=provider)`` (or a coordinator with ``fleet=``) admits
+its jobs through a :class:`FleetAdmission`: an :class:`~rxcoord.Admission` whose permits are
+rows of a permit table in the lease store (``rxcoord/leases/_permits.py``), so every process
+using the same store and name shares the limits. What each piece is for:
+
+* **One atomic step per admission.** A job's tenant permit and its global permit are one
+  permit, granted by one store step that checks both limits: no partial grant is ever held
+  while waiting, so there is nothing to deadlock on and nothing to leak.
+* **Crash safety by expiry.** A permit expires ``permit_at_most_for`` seconds after its last
+  renewal by the store's clock. One keep-alive per admission renews every permit it holds in
+  one round trip; a process killed with ``kill -9`` stops renewing and its permits come back
+  by expiry. A process paused past expiry finds them reclaimed: the job's permit is *lost*, its
+  result is dropped and its subscriber gets ``LeaseLost``. Locally a permit counts as valid
+  until ``sent + permit_at_most_for`` (``sent`` = when the granting or renewing request left,
+  on the monotonic clock, which keeps counting while a process is stopped): never later than
+  the store's own expiry.
+* **Fairness in the store.** Which tenant a freed permit goes to is decided by the store step
+  (stride scheduling with its virtual time kept in the store, see ``_permits.py``): a process
+  waiting for a tenant registers its *demand* there, and a permit stays reserved for the
+  waiting tenant furthest behind whichever process asks first.
+* **No polling.** Waiters are woken by the store's notification on release (Redis pub/sub,
+  PostgreSQL LISTEN/NOTIFY, the memory store directly) and at the expiry times the store
+  reports; SQLite polls with backoff. Waiting demand is refreshed while it waits, so a crashed
+  waiter's demand stops counting after ``demand_for``.
+* **Few round trips.** All tickets waiting for one tenant in this process are asked for in one
+  step, and releases queued while one is in flight go out together: an uncontended job costs
+  one round trip to admit and one to release, a busy process fewer.
+
+Store round trips run on a small worker pool of the admission's own (never on the caller's
+thread, which may be an event loop); no thread per waiter.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass, field
+from time import monotonic
+from typing import TYPE_CHECKING, Any, Final
+
+from loguru import logger
+
+from ._admission import Admission, AdmissionTicket
+from ._core.checks import check_count, check_length, check_weight
+from ._core.timer import TimerHandle, call_later
+from ._core.workers import WorkerPool
+from ._errors import LeaseLost, LeaseStoreMisconfigured, LeaseStoreUnavailable
+
+if TYPE_CHECKING:
+    from .leases import LeaseProvider
+    from .leases._permits import PermitReply
+
+__all__ = ["FleetAdmission", "FleetPermit", "FleetStats", "current_permit"]
+
+_WORKERS: Final = 4  # store round trips in flight at once, per admission
+_POLL_FIRST: Final = 0.01  # seconds: polling backoff while no notification is guaranteed
+_POLL_MAX: Final = 0.25
+_WAKE_MARGIN: Final = 0.002  # seconds after a reported expiry before retrying
+
+_current: contextvars.ContextVar[FleetPermit | None] = contextvars.ContextVar(
+    "rxcoord_fleet_permit", default=None
+)
+
+
+def current_permit() -> FleetPermit | None:
+    """The fleet permit of the job running in this context, or None.
+
+    Inside a job admitted through ``fleet=`` (sync jobs on their worker thread, ``async def``
+    jobs in their task), this is the permit the job holds: pass ``permit.token`` to a fenced
+    resource (``rxcoord.leases.FencedResource`` or your own ``WHERE token >= ...``) so a job
+    whose permit was reclaimed cannot overwrite the work of a newer holder.
+    """
+    return _current.get()
+
+
+class FleetPermit:
+    """One fleet permit held by one job: a fencing token and an expiry.
+
+    Attributes:
+        token: The fencing token, from the store-wide sequence: larger than the token of every
+            permit (and lease) granted earlier in the store.
+        tenant: The tenant the permit counts against.
+    """
+
+    __slots__ = ("_deadline", "lost", "tenant", "token")
+
+    def __init__(self, token: int, tenant: str, deadline: float) -> None:
+        self.token = token
+        self.tenant = tenant
+        self._deadline = deadline  # monotonic: never later than the store's expiry
+        self.lost = False  # the store said it was no longer held
+
+    @property
+    def valid(self) -> bool:
+        """True while the permit is certainly still held (it may be held a little longer)."""
+        return not self.lost and monotonic() < self._deadline
+
+    def check(self) -> None:
+        """Raise :class:`~rxcoord.LeaseLost` unless the permit is still valid."""
+        if not self.valid:
+            raise LeaseLost(
+                f"fleet permit {self.token} of tenant {self.tenant!r} expired or was "
+                "reclaimed before its job ended (a paused or partitioned process, or a "
+                "keep-alive that failed): the job's work may overlap another holder's"
+            )
+
+    def __repr__(self) -> str:
+        return f"<FleetPermit token={self.token} tenant={self.tenant!r} valid={self.valid}>"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStats:
+    """A snapshot of a fleet admission.
+
+    Attributes:
+        name: The group name shared by the fleet.
+        backend: The lease provider's backend.
+        limit: The fleet-wide limit.
+        fleet_running: Permits out across the fleet, as last seen from the store.
+        tenants_running: Per tenant seen by this process, its permits out across the fleet,
+            as last seen from the store (tenants forgotten once they are idle here).
+        held: Permits held by this process's running jobs.
+        waiting: Jobs of this process waiting for a permit.
+        granted: Permits granted to this process so far.
+        lost: Permits found expired or reclaimed before their job ended.
+        round_trips: Store round trips so far (admit, release, renew, withdraw).
+        store_errors: Round trips that failed with a store error.
+    """
+
+    name: str
+    backend: str
+    limit: int
+    fleet_running: int
+    tenants_running: Mapping[str, int] = field(default_factory=dict)
+    held: int = 0
+    waiting: int = 0
+    granted: int = 0
+    lost: int = 0
+    round_trips: int = 0
+    store_errors: int = 0
+
+
+class _Lane:
+    """One tenant's tickets waiting in this process, and its store-side demand."""
+
+    __slots__ = (
+        "busy",
+        "dirty",
+        "registered",
+        "tenant",
+        "tenant_limit",
+        "waiting",
+        "weight",
+    )
+
+    def __init__(self, tenant: str, weight: float, tenant_limit: int) -> None:
+        self.tenant = tenant
+        self.weight = weight
+        self.tenant_limit = tenant_limit
+        self.waiting: deque[AdmissionTicket] = deque()
+        self.busy = False  # a store step for this lane is in flight (on a worker)
+        self.dirty = False  # something changed meanwhile: step again when it returns
+        self.registered = False  # the store holds demand of ours for this tenant
+
+
+class FleetAdmission:
+    """Fleet-wide limits in a lease store; :meth:`lane` gives one tenant's :class:`Admission`.
+
+    Args:
+        provider: The lease provider (``rxcoord.leases``) whose store the fleet shares.
+        name: The group name: every admission with this name on the same store shares its
+            limits (non-empty).
+        limit: Most permits out across the fleet (>= 1). Every member must use the same.
+        permit_at_most_for: Seconds a permit outlives its last renewal (> 0): the most a
+            crashed process holds its permits. Renewed every third of it while held.
+        demand_for: Seconds a waiting process's demand outlives its last refresh (how long a
+            crashed waiter can keep a freed permit reserved); default ``min(3,
+            permit_at_most_for)``.
+
+    Raises:
+        TypeError: ``provider`` is not a lease provider, or keeps no fleet permits.
+        ValueError: An empty ``name``, a limit < 1, or a duration <= 0.
+    """
+
+    def __init__(
+        self,
+        provider: LeaseProvider,
+        name: str,
+        limit: int,
+        *,
+        permit_at_most_for: float = 30.0,
+        demand_for: float | None = None,
+    ) -> None:
+        from .leases import LeaseProvider
+
+        if not isinstance(provider, LeaseProvider):
+            raise TypeError(
+                "fleet must be a lease provider such as rxcoord.leases.RedisLeases(...) or "
+                f"leases_from_url(url), not {provider!r}"
+            )
+        if type(provider)._permits_acquire is LeaseProvider._permits_acquire:
+            raise TypeError(f"{type(provider).__name__} keeps no fleet permits")
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                "a fleet needs a name shared by its members: pass name='payments' (a "
+                f"non-empty str), not {name!r}"
+            )
+        self._provider = provider
+        self._name = name
+        self._limit = check_count(limit, "max_concurrency", 1)
+        self._most = check_length(permit_at_most_for, "permit_at_most_for")
+        self._demand_for = (
+            min(3.0, self._most) if demand_for is None else check_length(demand_for, "demand_for")
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+        self._lanes: dict[str, _Lane] = {}  # lanes with tickets, demand or a step in flight
+        self._held: dict[int, FleetPermit] = {}
+        self._releases: list[FleetPermit] = []
+        self._releasing = False
+        self._renewing = False
+        self._workers = WorkerPool(_WORKERS, f"rxcoord-fleet-{name}")
+        self._wake_timer: TimerHandle | None = None
+        self._wake_at = float("inf")
+        self._refresh_timer: TimerHandle | None = None
+        self._renew_timer: TimerHandle | None = None
+        self._poll = _POLL_FIRST
+        self._seen_running = 0
+        self._seen_tenants: dict[str, int] = {}
+        self._granted = 0
+        self._lost = 0
+        self._round_trips = 0
+        self._store_errors = 0
+        from .leases._permits import hub_name
+
+        # One subscription for the admission's lifetime: waking on a release needs no
+        # subscribe/confirm dance per wait (the callback only schedules work).
+        self._watch = provider._hub.watch(hub_name(name), self._wake_all)
+
+    # -- public ---------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def lane(
+        self, tenant: str, *, weight: float = 1.0, tenant_limit: int | None = None
+    ) -> Admission:
+        """The :class:`Admission` of one tenant (its jobs count against ``tenant_limit``).
+
+        Lanes of the same tenant (in any process) share its limit and its fair share.
+        """
+        if not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a str, not {tenant!r}")
+        limit = self._limit if tenant_limit is None else check_count(tenant_limit, "limit", 1)
+        return _LaneAdmission(self, tenant, check_weight(weight, "weight"), min(limit, self._limit))
+
+    def stats(self) -> FleetStats:
+        """A snapshot (fleet-wide counts as last seen from the store)."""
+        with self._lock:
+            return FleetStats(
+                self._name,
+                self._provider.backend,
+                self._limit,
+                self._seen_running,
+                dict(self._seen_tenants),
+                len(self._held),
+                sum(len(lane.waiting) for lane in self._lanes.values()),
+                self._granted,
+                self._lost,
+                self._round_trips,
+                self._store_errors,
+            )
+
+    def close(self) -> None:
+        """Stop: withdraw this process's demand, release what is queued for release, stop the
+        keep-alive. Jobs still running keep their permits until they expire (close the
+        coordinators first, which waits for them)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            timers = [self._wake_timer, self._refresh_timer, self._renew_timer]
+            self._wake_timer = self._refresh_timer = self._renew_timer = None
+            withdraw = [lane for lane in self._lanes.values() if lane.registered]
+        for timer in timers:
+            if timer is not None:
+                timer.cancel()
+        self._watch.close()
+        for lane in withdraw:
+            # The demand would expire after demand_for anyway: a failure changes nothing.
+            with suppress(LeaseStoreUnavailable, LeaseStoreMisconfigured):
+                self._acquire(lane, 0, False)
+        self._flush()
+        self._workers.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        return f"<FleetAdmission {self._name!r} limit={self._limit} {self._provider!r}>"
+
+    # -- admission (through _LaneAdmission) -----------------------------------------------------
+
+    def _request(self, key: tuple[str, float, int], ticket: AdmissionTicket) -> None:
+        tenant, weight, tenant_limit = key
+        with self._lock:
+            lane = self._lanes.get(tenant)
+            if lane is None:
+                lane = self._lanes[tenant] = _Lane(tenant, weight, tenant_limit)
+            lane.waiting.append(ticket)
+            start = self._kick(lane)
+        if start:
+            self._workers.submit(lambda: self._step(lane))
+
+    def _withdraw(self, tenant: str, ticket: AdmissionTicket) -> bool:
+        with self._lock:
+            lane = self._lanes.get(tenant)
+            if lane is None:
+                return False
+            try:
+                lane.waiting.remove(ticket)
+            except ValueError:
+                return False
+            # The last ticket left: take our demand back from the store, or a freed permit
+            # would stay reserved for a tenant nobody here waits for any more.
+            start = not lane.waiting and self._kick(lane)
+        if start:
+            self._workers.submit(lambda: self._step(lane))
+        return True
+
+    def _release(self, permit: object) -> None:
+        if not isinstance(permit, FleetPermit):
+            return  # a refused ticket (None): nothing was granted
+        with self._lock:
+            self._held.pop(permit.token, None)
+            self._releases.append(permit)
+            if self._releasing:
+                return  # the flush in flight takes it along
+            self._releasing = True
+            closed = self._closed
+        if closed:
+            self._flush()  # a job that outlived close(): no workers any more, release here
+        else:
+            self._workers.submit(self._flush)
+
+    # -- the store steps (on the workers) -------------------------------------------------------
+
+    def _kick(self, lane: _Lane) -> bool:
+        """Lane needs a store step (lock held): True if the caller must start one."""
+        if lane.busy:
+            lane.dirty = True
+            return False
+        lane.busy = True
+        return True
+
+    def _step(self, lane: _Lane) -> None:
+        """Ask the store for as many permits as the lane has tickets; hand them out."""
+        while True:
+            with self._lock:
+                lane.dirty = False
+                want = 0 if self._closed else min(len(lane.waiting), lane.tenant_limit)
+                more = len(lane.waiting) > want
+                if want == 0 and not lane.registered:
+                    lane.busy = False
+                    if not lane.waiting:
+                        self._lanes.pop(lane.tenant, None)
+                    return
+                self._round_trips += 1
+            sent = monotonic()
+            try:
+                reply = self._acquire(lane, want, more)
+            except (LeaseStoreUnavailable, LeaseStoreMisconfigured) as exc:
+                self._refuse(lane, exc)
+                continue
+            deadline = sent + self._most
+            grants: list[tuple[AdmissionTicket, FleetPermit]] = []
+            spare: list[FleetPermit] = []
+            with self._lock:
+                self._seen_running = reply.running
+                self._seen_tenants[lane.tenant] = reply.tenant_running
+                lane.registered = len(reply.tokens) < want or more
+                for token in reply.tokens:
+                    permit = FleetPermit(token, lane.tenant, deadline)
+                    if lane.waiting:
+                        grants.append((lane.waiting.popleft(), permit))
+                        self._held[token] = permit
+                    else:
+                        spare.append(permit)  # its ticket was withdrawn meanwhile
+                self._granted += len(grants)
+                if grants and self._renew_timer is None and not self._closed:
+                    self._renew_timer = call_later(self._most / 3, self._renew_soon)
+                waiting = bool(lane.waiting)
+                if waiting and not reply.tokens:
+                    self._arm_wake(reply.wake_in)
+                if grants:
+                    self._poll = _POLL_FIRST
+            for permit in spare:
+                self._release(permit)
+            for ticket, permit in grants:
+                ticket.grant(permit)  # a job that left gives it back through _release
+            with self._lock:
+                if lane.dirty or (waiting and reply.tokens and not self._closed):
+                    continue  # tickets came, went, or may get more now
+                lane.busy = False
+                if not lane.waiting and not lane.registered:
+                    self._lanes.pop(lane.tenant, None)
+                return
+
+    def _acquire(self, lane: _Lane, want: int, more: bool) -> PermitReply:
+        return self._provider._permits_acquire(
+            self._name,
+            lane.tenant,
+            want,
+            lane.weight,
+            lane.tenant_limit,
+            self._limit,
+            self._most,
+            self._demand_for,
+            more,
+        )
+
+    def _refuse(self, lane: _Lane, error: BaseException) -> None:
+        """The store failed: the lane's waiting jobs fail with its error (new ones try again)."""
+        with self._lock:
+            self._store_errors += 1
+            tickets = list(lane.waiting)
+            lane.waiting.clear()
+            lane.registered = False  # whatever we registered expires with demand_for
+        for ticket in tickets:
+            ticket.refuse(error)
+
+    def _flush(self) -> None:
+        """Release every permit queued for release in one round trip; then wake our waiters."""
+        while True:
+            with self._lock:
+                batch, self._releases = self._releases, []
+                if not batch:
+                    self._releasing = False
+                    return
+                self._round_trips += 1
+            pairs = [(permit.token, permit.tenant) for permit in batch]
+            try:
+                held = self._provider._permits_release(self._name, pairs)
+            except (LeaseStoreUnavailable, LeaseStoreMisconfigured):
+                # The permits expire by themselves; nothing else to do about them.
+                logger.opt(exception=True).warning(
+                    "rxcoord fleet {!r}: releasing {} permits failed", self._name, len(batch)
+                )
+                with self._lock:
+                    self._store_errors += 1
+                continue
+            if held < len(batch):
+                with self._lock:
+                    self._lost += len(batch) - held
+            self._wake_all()  # our own waiters need not wait for our own notification
+
+    # -- waking ---------------------------------------------------------------------------------
+
+    def _wake_all(self) -> None:
+        """A release (anywhere), an expiry time or a poll: every waiting lane steps again."""
+        with self._lock:
+            if self._closed:
+                return
+            start = [lane for lane in self._lanes.values() if lane.waiting and self._kick(lane)]
+        for lane in start:
+            self._workers.submit(lambda lane=lane: self._step(lane))  # type: ignore[misc]
+
+    def _arm_wake(self, wake_in: float | None) -> None:
+        """Lock held: wake at the reported expiry, poll while notifications are not certain,
+        and keep our demand alive while we wait."""
+        if self._closed:
+            return
+        delay = float("inf") if wake_in is None else wake_in + _WAKE_MARGIN
+        if not self._watch.confirmed:
+            delay = min(delay, self._poll)
+            self._poll = min(_POLL_MAX, self._poll * 2)
+        at = monotonic() + delay
+        if delay != float("inf") and at < self._wake_at:
+            if self._wake_timer is not None:
+                self._wake_timer.cancel()
+            self._wake_at = at
+            self._wake_timer = call_later(delay, self._woken)
+        if self._refresh_timer is None:
+            self._refresh_timer = call_later(self._demand_for / 3, self._refresh)
+
+    def _woken(self) -> None:
+        with self._lock:
+            self._wake_timer = None
+            self._wake_at = float("inf")
+        self._wake_all()
+
+    def _refresh(self) -> None:
+        with self._lock:
+            self._refresh_timer = None
+            again = not self._closed and any(lane.waiting for lane in self._lanes.values())
+            if again:
+                self._refresh_timer = call_later(self._demand_for / 3, self._refresh)
+        if again:
+            self._wake_all()  # a step refreshes the demand (and may find a permit)
+
+    # -- keep-alive -----------------------------------------------------------------------------
+
+    def _renew_soon(self) -> None:
+        # The timer thread must not make round trips: hand the renewal to a worker.
+        with self._lock:
+            self._renew_timer = None
+            if self._closed or self._renewing:
+                return
+            self._renewing = True
+        self._workers.submit(self._renew)
+
+    def _renew(self) -> None:
+        with self._lock:
+            permits = list(self._held.values())
+            self._round_trips += 1 if permits else 0
+        try:
+            if permits:
+                sent = monotonic()
+                lost = self._provider._permits_extend(
+                    self._name,
+                    [(p.token, p.tenant) for p in permits],
+                    self._most,
+                    timeout=max(0.001, min(p._deadline for p in permits) - sent),
+                )
+                gone = set(lost)
+                with self._lock:
+                    for permit in permits:
+                        if permit.token in gone:
+                            permit.lost = True
+                            self._lost += 1
+                            self._held.pop(permit.token, None)
+                        else:
+                            permit._deadline = sent + self._most
+                if lost:
+                    logger.warning(
+                        "rxcoord fleet {!r}: {} permits were reclaimed before their jobs "
+                        "ended (they get LeaseLost)",
+                        self._name,
+                        len(lost),
+                    )
+        except (LeaseStoreUnavailable, LeaseStoreMisconfigured):
+            # Retried at the next period; permits past their deadline count as lost locally.
+            logger.opt(exception=True).warning(
+                "rxcoord fleet {!r}: renewing permits failed", self._name
+            )
+            with self._lock:
+                self._store_errors += 1
+        finally:
+            with self._lock:
+                self._renewing = False
+                if self._held and not self._closed and self._renew_timer is None:
+                    self._renew_timer = call_later(self._most / 3, self._renew_soon)
+
+
+class _LaneAdmission:
+    """One tenant of a :class:`FleetAdmission`, as an :class:`Admission`."""
+
+    __slots__ = ("_fleet", "_key")
+
+    def __init__(self, fleet: FleetAdmission, tenant: str, weight: float, limit: int) -> None:
+        self._fleet = fleet
+        self._key = (tenant, weight, limit)
+
+    def request(self, ticket: AdmissionTicket) -> None:
+        self._fleet._request(self._key, ticket)
+
+    def withdraw(self, ticket: AdmissionTicket) -> bool:
+        return self._fleet._withdraw(self._key[0], ticket)
+
+    def release(self, permit: object) -> None:
+        self._fleet._release(permit)
+
+    @property
+    def fleet(self) -> FleetAdmission:
+        return self._fleet
+
+
+def with_permit(job: Callable[[], Any], permit: FleetPermit, is_async: bool) -> Callable[[], Any]:
+    """``job`` run with :func:`current_permit` returning ``permit``."""
+    if is_async:
+
+        async def run_async() -> Any:
+            reset = _current.set(permit)
+            try:
+                return await job()
+            finally:
+                _current.reset(reset)
+
+        return run_async
+
+    def run() -> Any:
+        reset = _current.set(permit)
+        try:
+            return job()
+        finally:
+            _current.reset(reset)
+
+    return run
