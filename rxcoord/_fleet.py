@@ -456,9 +456,10 @@ class FleetAdmission:
                 with self._lock:
                     self._store_errors += 1
                 continue
-            if held < len(batch):
+            known = sum(1 for permit in batch if permit.lost)  # counted by the keep-alive
+            if held < len(batch) - known:
                 with self._lock:
-                    self._lost += len(batch) - held
+                    self._lost += len(batch) - known - held
             self._wake_all()  # our own waiters need not wait for our own notification
 
     # -- waking ---------------------------------------------------------------------------------

@@ -1,0 +1,110 @@
+"""A fleet member in its own OS process, driven by tests/leases/test_fleet_processes.py.
+
+Usage: ``python fleet_worker.py SPEC`` where SPEC is JSON::
+
+    {"url": ..., "options": {...},            # the store (rxcoord.leases.leases_from_url)
+     "name": "pay", "limit": 6, "tenant_limit": 2, "permit_at_most_for": 30.0,
+     "fifo": false,                           # true: one coordinator (per-process FIFO)
+     "jobs": [[tenant, hold_seconds], ...],   # submitted at once, in this order
+     "log": "/path/log"}                      # one line per event, appended
+
+Each job appends ``start <pid> <tenant> <token> <t>`` when it begins and ``end ...`` when it
+returns (``t`` is CLOCK_MONOTONIC, one clock for every process of the machine), each line one
+``os.write`` on an ``O_APPEND`` file, so lines of concurrent processes never interleave and a
+process killed with ``kill -9`` leaves whole lines. Every job's outcome is appended as ``done
+<pid> <tenant> <token> <submitted> <finished> <outcome>`` (``ok``, ``LeaseLost``, ...). Prints
+``{"ready": true}`` once every job is submitted and ``{"finished": true}`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from rxcoord import TenantScheduler, TenantTaskCoordinator, current_permit
+from rxcoord.leases import leases_from_url
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    fd = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    pid = os.getpid()
+
+    def log(line: str) -> None:
+        os.write(fd, (line + "\n").encode())
+
+    jobs: list[tuple[str, float]] = [(str(t), float(h)) for t, h in spec["jobs"]]
+    provider = leases_from_url(spec["url"], **spec["options"])
+    runner: Any
+    if spec.get("fifo"):
+        runner = TenantTaskCoordinator(
+            name=spec["name"],
+            max_concurrency=spec["limit"],
+            max_queue_size=len(jobs),
+            fleet=provider,
+            permit_at_most_for=spec["permit_at_most_for"],
+        )
+    else:
+        runner = TenantScheduler(
+            spec["limit"],
+            tenant_max_concurrency=spec["tenant_limit"],
+            tenant_max_queue_size=len(jobs),
+            name=spec["name"],
+            fleet=provider,
+            permit_at_most_for=spec["permit_at_most_for"],
+        )
+    left = [len(jobs)]
+    all_done = threading.Event()
+    lock = threading.Lock()
+
+    def make(tenant: str, hold: float) -> Any:
+        def job() -> int:
+            permit = current_permit()
+            assert permit is not None
+            log(f"start {pid} {tenant} {permit.token} {time.monotonic()!r}")
+            time.sleep(hold)
+            log(f"end {pid} {tenant} {permit.token} {time.monotonic()!r}")
+            return permit.token
+
+        return job
+
+    def finished(tenant: str, submitted: float, token: int, outcome: str) -> None:
+        log(f"done {pid} {tenant} {token} {submitted!r} {time.monotonic()!r} {outcome}")
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                all_done.set()
+
+    for tenant, hold in jobs:
+        submitted = time.monotonic()
+        observable = (
+            runner.execute(make(tenant, hold))
+            if spec.get("fifo")
+            else runner.execute(tenant, make(tenant, hold))
+        )
+        box = [0]
+
+        def on_next(token: int, box: list[int] = box) -> None:
+            box[0] = token
+
+        def on_completed(t: str = tenant, s: float = submitted, box: list[int] = box) -> None:
+            finished(t, s, box[0], "ok")
+
+        def on_error(exc: Exception, t: str = tenant, s: float = submitted) -> None:
+            finished(t, s, 0, type(exc).__name__)
+
+        observable.subscribe(on_next, on_error, on_completed)
+    print(json.dumps({"ready": True}), flush=True)
+    all_done.wait()
+    runner.close()
+    provider.close()
+    os.close(fd)
+    print(json.dumps({"finished": True}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
