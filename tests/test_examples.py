@@ -24,6 +24,12 @@ EXPECTED = {
         "tenants with state left after going idle: 0",
     ],
     "async_jobs": ["download cancelled inside the job"],
+    "fleet_limits": [
+        "store: sqlite, 2 processes, 24 jobs",
+        "acme ran at most 2 jobs at once across both processes (limit 2)",
+        "all tenants together at most 3 (limit 3)",
+        "fencing tokens distinct: True",
+    ],
     "failures": [
         "38 of 40 came out; 2 failures vanished",
         "40 of 40 came out, 2 of them Failed: customer-1#3, customer-2#3",
