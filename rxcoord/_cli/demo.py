@@ -11,7 +11,13 @@ Part 2 is ShedLock's scenario: several OS processes run the same scheduled job o
 schedule; a distributed lease (``at_least_for`` most of the period) lets exactly one of them run
 each tick. The processes log every run with its fencing token; a tick run twice is a failure.
 
-Part 3, when a Kafka broker is reachable, is a keyed workload through ``rxcoord.kafka``'s
+Part 3 shares one set of limits across processes: each of the scheduled job's processes runs a
+``TenantScheduler(name="demo-fleet", fleet=provider)`` on the same store and submits jobs of
+three tenants at once; every job logs its start and end on the machine's monotonic clock, and
+the checker replays the logs: at no instant more than the fleet limit, nor more than the tenant
+limit of one tenant, ran across all processes.
+
+Part 4, when a Kafka broker is reachable, is a keyed workload through ``rxcoord.kafka``'s
 ``KeyedConsumer`` on a real broker (:mod:`rxcoord._cli.kafka_stage`): nothing lost, per-key order,
 no overlap of one key, committed offsets equal to the end offsets. Without a broker it is skipped
 with a one-line note.
@@ -191,6 +197,8 @@ class DemoReport:
         "global_max_running",
         "scheduled_runs",
         "scheduled_ticks",
+        "fleet_max_running",
+        "fleet_tenant_max_running",
         "tokens",
         "seconds",
         *KafkaReport.TIMING_DEPENDENT,
@@ -207,6 +215,13 @@ class DemoReport:
     scheduled_ticks: int
     double_runs: int
     token_order_violations: int
+    fleet_jobs: int = 0
+    fleet_processes: int = 0
+    fleet_max_running: int = 0
+    fleet_tenant_max_running: int = 0
+    fleet_violations: int = 0
+    fleet_limit: int = 0
+    fleet_tenant_limit: int = 0
     tokens: list[int] = field(default_factory=list)
     store: str = ""
     seconds: float = 0.0
@@ -220,6 +235,7 @@ class DemoReport:
             or self.limit_violations
             or self.double_runs
             or self.token_order_violations
+            or self.fleet_violations
         )
 
     def to_json(self) -> str:
@@ -482,6 +498,87 @@ def run_scheduled_job(
     return len(runs), len(per_tick), double, tokens, store
 
 
+# -- part 3: limits shared by the fleet ---------------------------------------------------------
+
+FLEET_LIMIT = 4
+FLEET_TENANT_LIMIT = 2
+FLEET_TENANTS = ("north", "south", "east")
+FLEET_JOBS = 24  # per process
+
+
+def _fleet_worker(url: str, log: str, seed: int) -> None:
+    """One OS process of the fleet stage: 24 jobs of three tenants, submitted at once."""
+    from .._fleet import current_permit
+    from ..leases import leases_from_url
+
+    rng = random.Random(seed)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    done = threading.Semaphore(0)
+
+    def job(tenant: str, seconds: float) -> Callable[[], None]:
+        def run() -> None:
+            permit = current_permit()
+            token = permit.token if permit is not None else 0
+            # One os.write per line on an O_APPEND file: lines of processes never interleave.
+            os.write(fd, f"{tenant} 1 {time.monotonic()!r} {token}\n".encode())
+            time.sleep(seconds)
+            os.write(fd, f"{tenant} -1 {time.monotonic()!r} {token}\n".encode())
+
+        return run
+
+    with (
+        leases_from_url(url) as provider,
+        TenantScheduler(
+            FLEET_LIMIT,
+            tenant_max_concurrency=FLEET_TENANT_LIMIT,
+            name="demo-fleet",
+            fleet=provider,
+        ) as scheduler,
+    ):
+        for i in range(FLEET_JOBS):
+            tenant = FLEET_TENANTS[i % len(FLEET_TENANTS)]
+            scheduler.execute(tenant, job(tenant, rng.uniform(0.005, 0.03))).subscribe(
+                on_completed=done.release, on_error=lambda _e: done.release()
+            )
+        for _ in range(FLEET_JOBS):
+            done.acquire()
+    os.close(fd)
+
+
+def run_fleet_stage(config: DemoConfig) -> tuple[int, int, int, int]:
+    """Returns (jobs, most running at once, most of one tenant at once, violations)."""
+    with tempfile.TemporaryDirectory(prefix="rxcoord-demo-fleet-") as tmp:
+        url = config.store_url or f"sqlite:///{Path(tmp) / 'fleet.db'}"
+        log = str(Path(tmp) / "fleet.log")
+        workers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "rxcoord._cli.demo", "--fleet", url, log, str(seed)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for seed in range(config.seed, config.seed + config.processes)
+        ]
+        for w in workers:
+            _, err = w.communicate()
+            if w.returncode != 0:
+                last = err.strip().splitlines()[-1] if err.strip() else f"exit {w.returncode}"
+                raise RuntimeError(f"a fleet process failed: {last}")
+        lines = Path(log).read_text(encoding="utf-8").split() if os.path.exists(log) else []
+    events = sorted(
+        (float(lines[i + 2]), int(lines[i + 1]), lines[i]) for i in range(0, len(lines), 4)
+    )  # an end sorts before a start at the same instant: a slot handed over is no overlap
+    running = most = most_tenant = violations = 0
+    per: Counter[str] = Counter()
+    for _, delta, tenant in events:
+        running += delta
+        per[tenant] += delta
+        most, most_tenant = max(most, running), max(most_tenant, per[tenant])
+        if delta > 0 and (running > FLEET_LIMIT or per[tenant] > FLEET_TENANT_LIMIT):
+            violations += 1
+    return len(events) // 2, most, most_tenant, violations
+
+
 def run_demo(
     config: DemoConfig,
     on_message: Callable[[int], None] | None = None,
@@ -503,6 +600,7 @@ def run_demo(
     started = time.perf_counter()
     rows, checker = run_service(config, on_message)
     runs, ticks, double, tokens, store = run_scheduled_job(config, on_tick)
+    fleet_jobs, fleet_most, fleet_tenant_most, fleet_violations = run_fleet_stage(config)
     plan = config.kafka if config.kafka is not None else resolve_kafka(None, disabled=False)
     kafka = run_kafka_stage(plan, config.seed, on_record)
     token_violations = sum(1 for a, b in itertools.pairwise(tokens) if b <= a)
@@ -521,6 +619,13 @@ def run_demo(
         scheduled_ticks=ticks,
         double_runs=double,
         token_order_violations=token_violations,
+        fleet_jobs=fleet_jobs,
+        fleet_processes=config.processes,
+        fleet_max_running=fleet_most,
+        fleet_tenant_max_running=fleet_tenant_most,
+        fleet_violations=fleet_violations,
+        fleet_limit=FLEET_LIMIT,
+        fleet_tenant_limit=FLEET_TENANT_LIMIT,
         tokens=tokens,
         store=store,
         seconds=time.perf_counter() - started,
@@ -528,6 +633,11 @@ def run_demo(
     )
 
 
-if __name__ == "__main__":  # a scheduled-job process: python -m rxcoord._cli.demo URL LOG START N P
-    _url, _log, _start, _ticks, _period = sys.argv[1:6]
-    _scheduled_worker(_url, _log, float(_start), int(_ticks), float(_period))
+if __name__ == "__main__":
+    if (
+        sys.argv[1] == "--fleet"
+    ):  # a fleet process: python -m rxcoord._cli.demo --fleet URL LOG SEED
+        _fleet_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:  # a scheduled-job process: python -m rxcoord._cli.demo URL LOG START N P
+        _url, _log, _start, _ticks, _period = sys.argv[1:6]
+        _scheduled_worker(_url, _log, float(_start), int(_ticks), float(_period))

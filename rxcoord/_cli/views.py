@@ -158,6 +158,13 @@ def _checks_table(report: DemoReport) -> Table:
             f"{report.scheduled_ticks} ticks, {report.store} lease store)",
             report.double_runs,
         ),
+        (
+            f"fleet: jobs above the fleet limit {report.fleet_limit} or a tenant's limit "
+            f"{report.fleet_tenant_limit} across {report.fleet_processes} processes "
+            f"({report.fleet_jobs} jobs, at most {report.fleet_max_running} at once, "
+            f"{report.fleet_tenant_max_running} of one tenant; {report.store} store)",
+            report.fleet_violations,
+        ),
         ("fencing tokens out of order", report.token_order_violations),
     ]
     kafka = report.kafka
