@@ -230,6 +230,9 @@ class FleetAdmission:
         self._refresh_timer: TimerHandle | None = None
         self._renew_timer: TimerHandle | None = None
         self._poll = _POLL_FIRST
+        self._sweeping = False
+        self._sweep_again = False
+        self._sweep_from = 0
         self._seen_running = 0
         self._seen_tenants: dict[str, int] = {}
         self._granted = 0
@@ -360,8 +363,12 @@ class FleetAdmission:
         lane.busy = True
         return True
 
-    def _step(self, lane: _Lane) -> None:
-        """Ask the store for as many permits as the lane has tickets; hand them out."""
+    def _step(self, lane: _Lane) -> bool:
+        """Ask the store for as many permits as the lane has tickets; hand them out.
+
+        Returns True if the store said the fleet is at its limit (a sweep may stop there).
+        """
+        full = False
         while True:
             with self._lock:
                 lane.dirty = False
@@ -371,7 +378,7 @@ class FleetAdmission:
                     lane.busy = False
                     if not lane.waiting:
                         self._lanes.pop(lane.tenant, None)
-                    return
+                    return full
                 self._round_trips += 1
             sent = monotonic()
             try:
@@ -380,6 +387,7 @@ class FleetAdmission:
                 self._refuse(lane, exc)
                 continue
             deadline = sent + self._most
+            full = reply.running >= self._limit
             grants: list[tuple[AdmissionTicket, FleetPermit]] = []
             spare: list[FleetPermit] = []
             with self._lock:
@@ -411,7 +419,7 @@ class FleetAdmission:
                 lane.busy = False
                 if not lane.waiting and not lane.registered:
                     self._lanes.pop(lane.tenant, None)
-                return
+                return full
 
     def _acquire(self, lane: _Lane, want: int, more: bool) -> PermitReply:
         return self._provider._permits_acquire(
@@ -437,7 +445,7 @@ class FleetAdmission:
             ticket.refuse(error)
 
     def _flush(self) -> None:
-        """Release every permit queued for release in one round trip; then wake our waiters."""
+        """Release every permit queued for release, in one round trip."""
         while True:
             with self._lock:
                 batch, self._releases = self._releases, []
@@ -460,18 +468,49 @@ class FleetAdmission:
             if held < len(batch) - known:
                 with self._lock:
                     self._lost += len(batch) - known - held
-            self._wake_all()  # our own waiters need not wait for our own notification
+            # Our own waiters are woken by the release's notification, like everyone's (every
+            # backend notifies its own hub too): waking them here as well would double the
+            # steps under contention.
 
     # -- waking ---------------------------------------------------------------------------------
 
     def _wake_all(self) -> None:
-        """A release (anywhere), an expiry time or a poll: every waiting lane steps again."""
+        """A release (anywhere), an expiry time or a poll: the waiting lanes step again."""
         with self._lock:
             if self._closed:
                 return
-            start = [lane for lane in self._lanes.values() if lane.waiting and self._kick(lane)]
-        for lane in start:
-            self._workers.submit(lambda lane=lane: self._step(lane))  # type: ignore[misc]
+            self._sweep_again = True
+            if self._sweeping:
+                return  # the sweep in flight goes round once more
+            self._sweeping = True
+        self._workers.submit(self._sweep)
+
+    def _sweep(self) -> None:
+        """Step the waiting lanes one after another, until the store says the fleet is full.
+
+        One release frees one permit: stepping every lane at once would cost a round trip
+        per lane per release in every process, and all but one would come back empty. The
+        store, not this order, decides who gets the permit (a lane ahead of its share finds
+        it reserved and the sweep goes on to the next); the start rotates so that no lane
+        always pays the first round trip.
+        """
+        while True:
+            with self._lock:
+                if not self._sweep_again or self._closed:
+                    self._sweeping = False
+                    return
+                self._sweep_again = False
+                lanes = [lane for lane in self._lanes.values() if lane.waiting]
+                if lanes:
+                    k = self._sweep_from % len(lanes)
+                    lanes = lanes[k:] + lanes[:k]
+                    self._sweep_from += 1
+            for lane in lanes:
+                with self._lock:
+                    if not self._kick(lane):
+                        continue  # a step is in flight: it goes again when it returns
+                if self._step(lane):
+                    break
 
     def _arm_wake(self, wake_in: float | None) -> None:
         """Lock held: wake at the reported expiry, poll while notifications are not certain,
