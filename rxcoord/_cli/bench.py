@@ -35,6 +35,7 @@ BENCHMARKS = (
     "bench_tenants",
     "bench_locks",
     "bench_leases",
+    "bench_fleet",
 )
 
 Verdict = Literal["met", "not met", "too small to judge", "no goal", "unreadable goal"]
