@@ -39,6 +39,16 @@ def acquire(
     )
 
 
+def _sequence_record(backend: Backend) -> int:
+    """The records the group's first token may add: its sequence's (bookkeeping, not state).
+
+    Each test has a fresh namespace, so the sequence's row or key (SQLite's row, Redis's
+    ``seq`` key, on a cluster the one of the group's hash slot) may be created by the test's
+    first grant; it stays, as it does for leases. Anything more is the group left behind.
+    """
+    return min(1, backend.bookkeeping)
+
+
 @pytest.fixture
 def group() -> str:
     return f"g-{uuid.uuid4().hex[:8]}"
@@ -52,23 +62,33 @@ def test_uncontended_grant_and_release(backend: Backend, group: str) -> None:
     assert reply.tokens[0] > 0
     assert (reply.running, reply.tenant_running) == (1, 1)
     assert provider._permits_release(group, [(reply.tokens[0], "a")]) == 1
-    assert backend.records() == before, "an idle group must leave nothing in the store"
+    assert backend.records() <= before + _sequence_record(backend), (
+        "an idle group must leave nothing in the store"
+    )
 
 
 def test_tokens_come_from_the_store_wide_sequence(backend: Backend, group: str) -> None:
+    # A Redis Cluster has a sequence per hash slot instead, and one script reaches one slot:
+    # there the order holds among grants of one slot (the group's permits, and leases whose
+    # keys share it), which tests/leases/test_permits_redis.py checks.
+    store_wide = backend.id != "redis-cluster"
     provider = backend.new()
     lease = provider.try_acquire(f"lease-{group}", 30.0)
     assert lease is not None
     first = acquire(provider, group, "a", 2).tokens
     assert len(first) == 2
-    assert min(first) > lease.token, "a permit's token must exceed every earlier grant's"
+    if store_wide:
+        assert min(first) > lease.token, "a permit's token must exceed every earlier grant's"
     assert first[1] > first[0]
     lease.release()
     later = provider.try_acquire(f"lease-{group}", 30.0)
     assert later is not None
-    assert later.token > max(first)
+    if store_wide:
+        assert later.token > max(first)
     later.release()
-    provider._permits_release(group, [(t, "a") for t in first])
+    again = acquire(provider, group, "a", 1).tokens
+    assert again[0] > max(first), "a group's tokens increase from call to call"
+    provider._permits_release(group, [(t, "a") for t in (*first, *again)])
 
 
 def test_global_limit_holds_across_tenants(backend: Backend, group: str) -> None:
@@ -249,4 +269,4 @@ def test_idle_tenants_leave_nothing_behind(backend: Backend, group: str) -> None
         provider._permits_release(group, [(t, tenant) for t in tokens])
     for i in range(3, 8):
         acquire(provider, group, f"t{i}", 0)  # every waiter left
-    assert backend.records() == before
+    assert backend.records() <= before + _sequence_record(backend)

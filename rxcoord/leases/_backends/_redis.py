@@ -15,6 +15,29 @@ Keys:
   ``appendfsync always``; without it a restarted Redis forgets them). A per-name counter left by
   an older version (``<prefix>{name}:token``) is folded into the sequence and deleted the next
   time the name is granted, so tokens never go back; do not mix versions on one prefix.
+* fleet permits (``_permits.py``), three keys per busy group, all under one hash tag
+  ``{#group}`` so that a step's script may touch them together on a cluster (one slot; the
+  ``#`` keeps the tag non-empty whatever the group is called), and the same slot's token
+  sequence, from which permits take their fencing tokens like leases do (on a cluster, then, a
+  permit's token exceeds every earlier grant's of its slot, leases whose keys hash there
+  included, but not those of other slots: one script reaches one slot):
+
+  - ``<prefix>fleet:{#group}:p``: the permits, a sorted set of ``token:tenant`` (the tenant
+    last, so it may contain ``:``) scored by their ``until`` in ms of Redis's clock (``TIME``;
+    durations are rounded up to whole ms, as for leases);
+  - ``<prefix>fleet:{#group}:d``: the demand, a sorted set of tenants scored by ``until``;
+  - ``<prefix>fleet:{#group}:t``: a hash of per-tenant state, ``n<tenant>`` (permits held),
+    ``p<tenant>`` (the stride pass, a double written with 17 digits), ``l<tenant>`` (the
+    tenant limit recorded with its demand), and of the group's: ``c`` (the clock, the latest
+    grant's pass), ``r`` and ``d`` (the two sets' sizes: one ``HMGET`` reads them with the
+    caller's state, and an idle group needs no expiry scan).
+
+  Nothing has a TTL: expiry is by score, and every step first drops what expired by the
+  server's clock (so a crashed waiter's demand stops counting when it lapses). A tenant with
+  neither permits nor demand loses its fields, and a group with neither loses all three keys
+  (the sorted sets vanish when emptied, the hash is deleted), so an idle group leaves only the
+  sequence. The steps publish on the channel of the group's wait hub
+  (``_channel(hub_name(group))``).
 
 Each operation is one ``EVALSHA`` (falling back to ``EVAL`` once after a script-cache flush),
 so the check, the grant and ``INCR`` of the token are one atomic step:
@@ -23,7 +46,8 @@ so the check, the grant and ``INCR`` of the token are one atomic step:
   and ``SET ... PX``;
 * extend / release: compare the stored token; release ``DEL``s the key (or, inside
   ``at_least_for``, replaces it with a ``released`` marker expiring then) and ``PUBLISH``es on
-  the name's channel, which wakes waiters in every process.
+  the name's channel, which wakes waiters in every process;
+* fleet permits: acquire, release and extend are ``PermitGroup``'s steps, each one script.
 
 Connections: redis-py's ``Connection`` objects, in a pool of this module's own (a deque of idle
 connections). redis-py's client and pool wrap every command in machinery a lease does not need
@@ -46,7 +70,7 @@ import binascii
 import hashlib
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Final
@@ -55,6 +79,7 @@ from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
 from .._notify import Listener, WaitHub
+from .._permits import PermitReply, hub_name
 from .._validate import check_duration
 from ._drivers import require, route_driver_logs
 
@@ -141,6 +166,243 @@ redis.call('PUBLISH', ARGV[2], '')
 return 1
 """
 
+# -- fleet permits (the table of _permits.py; see "Keys" above) ----------------------------------
+# KEYS of every permit script: permits (ZSET "token:tenant" -> until ms), demand (ZSET tenant ->
+# until ms), state (HASH: "r" permits out, "d" tenants in demand, "c" the clock, and per tenant
+# "n"..tenant permits held, "p"..tenant its pass, "l"..tenant its recorded tenant limit).
+# The counters "r" and "d" are the two sets' sizes, kept in the hash so that one HMGET reads
+# them with the caller's tenant state: a redis.call costs the server far more than the
+# command it runs, and an idle group (no hash) then skips every expiry scan.
+#
+# Every script opens with this: Redis's clock, the counters (with the fields in FIELDS, at 3...),
+# then PermitGroup.expire: permits and demand until <= now are dropped, and a tenant left with
+# neither forgets its pass and limit. `changed`: the counters must be written back.
+_PERMITS_EXPIRE: Final = """
+local P, D, T = KEYS[1], KEYS[2], KEYS[3]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local head = redis.call('HMGET', T, 'r', 'd', unpack(FIELDS))
+local running = tonumber(head[1]) or 0
+local demand = tonumber(head[2]) or 0
+local gone = {}
+local lost = {}
+if running > 0 then
+  local expired = redis.call('ZRANGEBYSCORE', P, '-inf', now)
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', P, '-inf', now)
+    running = running - #expired
+    for _, member in ipairs(expired) do
+      local owner = string.match(member, '^%d+:(.*)$')
+      if not lost[owner] then
+        lost[owner] = 0
+        gone[#gone + 1] = owner
+      end
+      lost[owner] = lost[owner] + 1
+    end
+    for _, owner in ipairs(gone) do
+      if redis.call('HINCRBY', T, 'n' .. owner, -lost[owner]) <= 0 then
+        redis.call('HDEL', T, 'n' .. owner)
+      end
+    end
+  end
+end
+if demand > 0 then
+  local lapsed = redis.call('ZRANGEBYSCORE', D, '-inf', now)
+  if #lapsed > 0 then
+    redis.call('ZREMRANGEBYSCORE', D, '-inf', now)
+    demand = demand - #lapsed
+    for _, owner in ipairs(lapsed) do gone[#gone + 1] = owner end
+  end
+end
+local forgot = {}
+for _, owner in ipairs(gone) do
+  if not forgot[owner] and not redis.call('HGET', T, 'n' .. owner)
+      and (demand == 0 or not redis.call('ZSCORE', D, owner)) then
+    redis.call('HDEL', T, 'p' .. owner, 'l' .. owner)
+    forgot[owner] = true
+  end
+end
+local changed = #gone > 0
+"""
+
+# KEYS: permits, demand, state, token sequence. ARGV: tenant, want, weight, tenant limit,
+# limit, most ms, demand_for ms, more (0/1), channel. PermitGroup.acquire, step by step.
+# Returns {first token, tokens granted, running, tenant running, wake_in ms or -1}.
+_PERMITS_ACQUIRE: Final = (
+    "local FIELDS = {'n' .. ARGV[1], 'p' .. ARGV[1], 'c'}"
+    + _PERMITS_EXPIRE
+    + """
+local tenant = ARGV[1]
+local want = tonumber(ARGV[2])
+local limit = tonumber(ARGV[5])
+local mine = (tonumber(head[3]) or 0) - (lost[tenant] or 0)
+local clock = tonumber(head[5]) or 0
+local pass = clock
+if not forgot[tenant] then pass = tonumber(head[4]) or clock end
+if pass < clock then pass = clock end
+local grant = math.min(want, tonumber(ARGV[4]) - mine, limit - running)
+if grant > 0 and demand > 0 then
+  -- Leave a permit for each other waiting tenant further behind (smaller pass) that is below
+  -- its own tenant limit.
+  local better = 0
+  for _, other in ipairs(redis.call('ZRANGE', D, 0, -1)) do
+    if other ~= tenant then
+      local o = redis.call('HMGET', T, 'p' .. other, 'n' .. other, 'l' .. other)
+      local theirs = tonumber(o[1]) or clock
+      if theirs < clock then theirs = clock end
+      if theirs < pass and (tonumber(o[2]) or 0) < (tonumber(o[3]) or 0) then
+        better = better + 1
+      end
+    end
+  end
+  grant = math.min(grant, limit - running - better)
+end
+local first = 0
+if grant > 0 then
+  first = redis.call('INCRBY', KEYS[4], grant) - grant + 1
+  local untl = string.format('%d', now + tonumber(ARGV[6]))
+  local step = 1.0 / tonumber(ARGV[3])
+  local batch = {}
+  for i = 0, grant - 1 do
+    batch[#batch + 1] = untl
+    batch[#batch + 1] = string.format('%d', first + i) .. ':' .. tenant
+    if #batch >= 1000 or i == grant - 1 then
+      redis.call('ZADD', P, unpack(batch))
+      batch = {}
+    end
+    clock = pass
+    pass = pass + step
+  end
+  running = running + grant
+  mine = mine + grant
+else
+  grant = 0
+end
+-- Passes are doubles: '%.17g' keeps every bit (Lua's own tostring keeps 14 digits).
+local fields = {'r', running, 'd', 0, 'p' .. tenant, string.format('%.17g', pass)}
+if grant > 0 then
+  fields[7], fields[8] = 'n' .. tenant, mine
+  fields[9], fields[10] = 'c', string.format('%.17g', clock)
+end
+local waits = grant < want or ARGV[8] == '1'
+if waits then
+  demand = demand + redis.call(
+    'ZADD', D, 'GT', string.format('%d', now + tonumber(ARGV[7])), tenant)
+  fields[#fields + 1] = 'l' .. tenant
+  fields[#fields + 1] = ARGV[4]
+elseif demand > 0 and redis.call('ZREM', D, tenant) == 1 then
+  demand = demand - 1
+  -- A withdrawal: a waiter may have left this free permit to it.
+  if want == 0 and running < limit then redis.call('PUBLISH', ARGV[9], '') end
+end
+fields[4] = demand
+if running == 0 and demand == 0 then
+  redis.call('DEL', T)  -- the group is idle: nothing of it stays
+elseif mine == 0 and not waits then
+  redis.call('HDEL', T, 'p' .. tenant, 'l' .. tenant)  -- the tenant is idle
+  redis.call('HSET', T, 'r', running, 'd', demand)
+else
+  redis.call('HSET', T, unpack(fields))
+end
+local wake = -1
+if grant < want then
+  local soonest = nil
+  if running > 0 then soonest = tonumber(redis.call('ZRANGE', P, 0, 0, 'WITHSCORES')[2]) end
+  if demand > 0 then
+    local d = redis.call('ZRANGE', D, 0, 1, 'WITHSCORES')
+    local other = d[2]
+    if d[1] == tenant then other = d[4] end
+    if other and (not soonest or tonumber(other) < soonest) then soonest = tonumber(other) end
+  end
+  if soonest then wake = math.max(0, soonest - now) end
+end
+return {first, grant, running, mine, wake}
+"""
+)
+
+# KEYS: permits, demand, state. ARGV: channel, then token, tenant pairs.
+# Returns how many of the pairs were still held; publishes if any was.
+_PERMITS_RELEASE: Final = (
+    "local FIELDS = {}"
+    + _PERMITS_EXPIRE
+    + """
+local held = 0
+local owners = {}
+local freed = {}
+if running > 0 then
+  for i = 2, #ARGV, 2 do
+    local owner = ARGV[i + 1]
+    if redis.call('ZREM', P, ARGV[i] .. ':' .. owner) == 1 then
+      held = held + 1
+      if not freed[owner] then
+        freed[owner] = 0
+        owners[#owners + 1] = owner
+      end
+      freed[owner] = freed[owner] + 1
+    end
+  end
+  running = running - held
+end
+if running == 0 and demand == 0 then
+  if held > 0 or changed then redis.call('DEL', T) end  -- the group is idle
+else
+  for _, owner in ipairs(owners) do
+    if redis.call('HINCRBY', T, 'n' .. owner, -freed[owner]) <= 0 then
+      if demand == 0 or not redis.call('ZSCORE', D, owner) then
+        redis.call('HDEL', T, 'n' .. owner, 'p' .. owner, 'l' .. owner)  -- the tenant is idle
+      else
+        redis.call('HDEL', T, 'n' .. owner)
+      end
+    end
+  end
+  if held > 0 or changed then redis.call('HSET', T, 'r', running, 'd', demand) end
+end
+if held > 0 then redis.call('PUBLISH', ARGV[1], '') end
+return held
+"""
+)
+
+# KEYS: permits, demand, state. ARGV: most ms, then token, tenant pairs.
+# Returns the tokens of the pairs no longer held.
+_PERMITS_EXTEND: Final = (
+    "local FIELDS = {}"
+    + _PERMITS_EXPIRE
+    + """
+local untl = string.format('%d', now + tonumber(ARGV[1]))
+local missing = {}
+local i = 2
+while i <= #ARGV do
+  -- In chunks: unpack() of too many values overflows Lua's stack.
+  local members, tokens = {}, {}
+  while i <= #ARGV and #members < 500 do
+    members[#members + 1] = ARGV[i] .. ':' .. ARGV[i + 1]
+    tokens[#tokens + 1] = ARGV[i]
+    i = i + 2
+  end
+  local scores = {}
+  if running > 0 then scores = redis.call('ZMSCORE', P, unpack(members)) end
+  local batch = {}
+  for j, member in ipairs(members) do
+    if scores[j] then
+      batch[#batch + 1] = untl
+      batch[#batch + 1] = member
+    else
+      missing[#missing + 1] = tokens[j]
+    end
+  end
+  if #batch > 0 then redis.call('ZADD', P, 'XX', unpack(batch)) end
+end
+if changed then
+  if running == 0 and demand == 0 then
+    redis.call('DEL', T)  -- everything expired: nothing of the group stays
+  else
+    redis.call('HSET', T, 'r', running, 'd', demand)
+  end
+end
+return missing
+"""
+)
+
 
 _SLOTS: Final = 16384
 # Replies no retry will fix: credentials, ACLs, a cluster node given to a plain provider (or
@@ -187,6 +449,14 @@ def _sha(script: str) -> str:
 
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
+
+
+def _pairs(permits: Sequence[tuple[int, str]]) -> list[object]:
+    """``(token, tenant)`` pairs as a script's ARGV: token, tenant, token, tenant..."""
+    args: list[object] = []
+    for token, tenant in permits:
+        args += (token, tenant)
+    return args
 
 
 class RedisLeases(LeaseProvider):
@@ -461,11 +731,96 @@ class RedisLeases(LeaseProvider):
     def _store_close(self) -> None:
         self._connections.close()
 
+    # -- fleet permits (see _permits.py and the module docstring's "Keys") ------------------
+
+    def _permit_keys(self, group: str) -> tuple[str, str, str]:
+        # One hash tag for the group's keys (one slot on a cluster); '#' keeps the tag
+        # non-empty whatever the group's name ('' or one starting with '}' would otherwise
+        # leave each key in a slot of its own).
+        base = f"{self.prefix}fleet:{{#{group}}}:"
+        return base + "p", base + "d", base + "t"
+
+    def _permits_acquire(
+        self,
+        group: str,
+        tenant: str,
+        want: int,
+        weight: float,
+        tenant_limit: int,
+        limit: int,
+        most: float,
+        demand_for: float,
+        more: bool,
+    ) -> PermitReply:
+        keys = self._permit_keys(group)
+        first, count, running, mine, wake = self._eval(
+            _PERMITS_ACQUIRE,
+            _PERMITS_ACQUIRE_SHA,
+            4,
+            *keys,
+            self._sequence_key(keys[0]),
+            tenant,
+            want,
+            repr(float(weight)),  # the shortest text that reads back as the same double
+            tenant_limit,
+            limit,
+            _ms(most),
+            _ms(demand_for),
+            1 if more else 0,
+            self._channel(hub_name(group)),
+            action="acquire fleet permits",
+        )
+        return PermitReply(
+            tuple(range(first, first + count)),
+            None if wake < 0 else wake / 1000.0,
+            running,
+            mine,
+        )
+
+    def _permits_release(
+        self, group: str, permits: Sequence[tuple[int, str]], *, timeout: float | None = None
+    ) -> int:
+        return int(
+            self._eval(
+                _PERMITS_RELEASE,
+                _PERMITS_RELEASE_SHA,
+                3,
+                *self._permit_keys(group),
+                self._channel(hub_name(group)),
+                *_pairs(permits),
+                action="release fleet permits",
+                timeout=timeout,
+            )
+        )
+
+    def _permits_extend(
+        self,
+        group: str,
+        permits: Sequence[tuple[int, str]],
+        most: float,
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        lost = self._eval(
+            _PERMITS_EXTEND,
+            _PERMITS_EXTEND_SHA,
+            3,
+            *self._permit_keys(group),
+            _ms(most),
+            *_pairs(permits),
+            action="extend fleet permits",
+            timeout=timeout,
+        )
+        return [int(token) for token in lost]
+
 
 _GRANT_SHA: Final = _sha(_GRANT)
 _HOLDER_SHA: Final = _sha(_HOLDER)
 _EXTEND_SHA: Final = _sha(_EXTEND)
 _RELEASE_SHA: Final = _sha(_RELEASE)
+_PERMITS_ACQUIRE_SHA: Final = _sha(_PERMITS_ACQUIRE)
+_PERMITS_RELEASE_SHA: Final = _sha(_PERMITS_RELEASE)
+_PERMITS_EXTEND_SHA: Final = _sha(_PERMITS_EXTEND)
 
 
 class _Connections:
