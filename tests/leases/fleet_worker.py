@@ -4,7 +4,7 @@ Usage: ``python fleet_worker.py SPEC`` where SPEC is JSON::
 
     {"url": ..., "options": {...},            # the store (rxcoord.leases.leases_from_url)
      "name": "pay", "limit": 6, "tenant_limit": 2, "permit_at_most_for": 30.0,
-     "fifo": false,                           # true: one coordinator (per-process FIFO)
+     "fifo": null,                            # a Redis URL: the FIFO baseline instead (below)
      "jobs": [[tenant, hold_seconds], ...],   # submitted at once, in this order
      "log": "/path/log"}                      # one line per event, appended
 
@@ -14,6 +14,11 @@ returns (``t`` is CLOCK_MONOTONIC, one clock for every process of the machine), 
 process killed with ``kill -9`` leaves whole lines. Every job's outcome is appended as ``done
 <pid> <tenant> <token> <submitted> <finished> <outcome>`` (``ok``, ``LeaseLost``, ...). Prints
 ``{"ready": true}`` once every job is submitted and ``{"finished": true}`` at the end.
+
+With ``"fifo": REDIS_URL`` the jobs skip rxcoord and go through the baseline the fairness test
+compares with: a fleet-wide FIFO semaphore (a ticket per job, ``INCRBY`` for the whole batch at
+submission, so jobs are admitted in arrival order across the fleet; a ticket may run once
+``ticket <= released + limit``), what a shared work queue with ``limit`` consumers gives.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from rxcoord import TenantScheduler, TenantTaskCoordinator, current_permit
+from rxcoord import TenantScheduler, current_permit
 from rxcoord.leases import leases_from_url
 
 
@@ -38,25 +43,20 @@ def main() -> None:
         os.write(fd, (line + "\n").encode())
 
     jobs: list[tuple[str, float]] = [(str(t), float(h)) for t, h in spec["jobs"]]
-    provider = leases_from_url(spec["url"], **spec["options"])
-    runner: Any
     if spec.get("fifo"):
-        runner = TenantTaskCoordinator(
-            name=spec["name"],
-            max_concurrency=spec["limit"],
-            max_queue_size=len(jobs),
-            fleet=provider,
-            permit_at_most_for=spec["permit_at_most_for"],
-        )
-    else:
-        runner = TenantScheduler(
-            spec["limit"],
-            tenant_max_concurrency=spec["tenant_limit"],
-            tenant_max_queue_size=len(jobs),
-            name=spec["name"],
-            fleet=provider,
-            permit_at_most_for=spec["permit_at_most_for"],
-        )
+        fifo_baseline(spec, jobs, log, pid)
+        os.close(fd)
+        print(json.dumps({"finished": True}), flush=True)
+        return
+    provider = leases_from_url(spec["url"], **spec["options"])
+    runner = TenantScheduler(
+        spec["limit"],
+        tenant_max_concurrency=spec["tenant_limit"],
+        tenant_max_queue_size=len(jobs),
+        name=spec["name"],
+        fleet=provider,
+        permit_at_most_for=spec["permit_at_most_for"],
+    )
     left = [len(jobs)]
     all_done = threading.Event()
     lock = threading.Lock()
@@ -81,11 +81,7 @@ def main() -> None:
 
     for tenant, hold in jobs:
         submitted = time.monotonic()
-        observable = (
-            runner.execute(make(tenant, hold))
-            if spec.get("fifo")
-            else runner.execute(tenant, make(tenant, hold))
-        )
+        observable = runner.execute(tenant, make(tenant, hold))
         box = [0]
 
         def on_next(token: int, box: list[int] = box) -> None:
@@ -104,6 +100,44 @@ def main() -> None:
     provider.close()
     os.close(fd)
     print(json.dumps({"finished": True}), flush=True)
+
+
+def fifo_baseline(spec: dict[str, Any], jobs: list[tuple[str, float]], log: Any, pid: int) -> None:
+    """The jobs through a fleet-wide FIFO semaphore in Redis (see the module docstring)."""
+    import queue
+
+    import redis
+
+    client = redis.Redis.from_url(spec["fifo"])
+    issued, released = f"{spec['name']}:issued", f"{spec['name']}:released"
+    limit = int(spec["limit"])
+    submitted = time.monotonic()
+    last = int(client.incrby(issued, len(jobs)))
+    todo: queue.Queue[tuple[int, str, float]] = queue.Queue()
+    for i, (tenant, hold) in enumerate(jobs):
+        todo.put((last - len(jobs) + 1 + i, tenant, hold))
+    print(json.dumps({"ready": True}), flush=True)
+
+    def consume() -> None:
+        while True:
+            try:
+                ticket, tenant, hold = todo.get_nowait()
+            except queue.Empty:
+                return
+            while ticket > int(client.get(released) or 0) + limit:
+                time.sleep(0.001)
+            log(f"start {pid} {tenant} {ticket} {time.monotonic()!r}")
+            time.sleep(hold)
+            log(f"end {pid} {tenant} {ticket} {time.monotonic()!r}")
+            client.incr(released)
+            log(f"done {pid} {tenant} {ticket} {submitted!r} {time.monotonic()!r} ok")
+
+    threads = [threading.Thread(target=consume) for _ in range(limit)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    client.close()
 
 
 if __name__ == "__main__":

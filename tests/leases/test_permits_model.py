@@ -256,7 +256,9 @@ def test_every_backend_implements_the_reference_table(backend: Backend) -> None:
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
-    assert backend.records() == before, "idle groups must leave nothing behind"
+    # Beyond the token sequence (one record; on a Redis Cluster one per hash slot used, i.e.
+    # at most one per group here), idle groups must leave nothing behind.
+    assert backend.records() <= before + min(examples, backend.bookkeeping), "a group leaked"
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
