@@ -4,7 +4,9 @@ A *group* (``TenantScheduler(name="payments", fleet=provider)``) is a counting s
 lease store, shared by every process that uses the same store and name: at most ``limit``
 permits out, at most ``tenant_limit`` of one tenant, each permit an expiring grant on the
 store's clock with a fencing token from the store-wide sequence (the one the leases use, so a
-permit's token is larger than every earlier grant's, permit or lease).
+permit's token is larger than every earlier grant's, permit or lease; on a Redis Cluster the
+sequence is per hash slot, so there it holds among the group's permits and the leases whose
+names share its slot).
 
 State of one group, on the store (nothing at all once the group is idle)::
 
