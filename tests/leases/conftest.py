@@ -444,12 +444,21 @@ def postgres_url(request: pytest.FixtureRequest) -> str:
     return server.url
 
 
+# The fleet permit table beside a PostgreSQL lease table (rxcoord/leases/_backends/_postgres.py;
+# the test tables' names are short enough to be used unshortened): one row per busy group.
+PG_PERMIT_TABLES = ("_permits",)
+
+
 def drop_table(url: str, table: str) -> None:
     import psycopg
 
     with contextlib.suppress(psycopg.Error), psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f'DROP TABLE IF EXISTS "{table}"')
         conn.execute(f'DROP SEQUENCE IF EXISTS "{table}_token_seq"')
+        for suffix in PG_PERMIT_TABLES:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}{suffix}"')
+        for suffix in ("_permits_acquire", "_permits_release", "_permits_extend"):
+            conn.execute(f'DROP FUNCTION IF EXISTS "{table}{suffix}"')
 
 
 # -- the contract's backend fixture ---------------------------------------------------------
@@ -563,12 +572,16 @@ def _postgres_store(request: pytest.FixtureRequest, tmp_path: Path, suffix: str)
     def pg_rows() -> int:
         import psycopg
 
+        total = 0
         with psycopg.connect(url, autocommit=True) as conn:
-            exists = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
-            if not exists or exists[0] is None:
-                return 0
-            row = conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()
-            return int(row[0]) if row else 0
+            # The lease table and the fleet permit table (the sequence is no row).
+            for relation in (table, *(table + suffix for suffix in PG_PERMIT_TABLES)):
+                exists = conn.execute("SELECT to_regclass(%s)", (relation,)).fetchone()
+                if not exists or exists[0] is None:
+                    continue
+                row = conn.execute(f'SELECT count(*) FROM "{relation}"').fetchone()
+                total += int(row[0]) if row else 0
+        return total
 
     return Backend(
         "postgres",

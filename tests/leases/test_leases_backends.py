@@ -143,7 +143,8 @@ def test_sqlite_uses_the_configured_table_and_creates_it_idempotently(tmp_path: 
             row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
         ]
     conn.close()
-    assert tables == ["custom_leases", "custom_leases_seq"]  # the lease rows, the token sequence
+    # the lease rows, the token sequence, the fleet permit groups
+    assert tables == ["custom_leases", "custom_leases_seq", "custom_leases_permits"]
 
 
 @pytest.mark.backend

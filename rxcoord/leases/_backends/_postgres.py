@@ -41,6 +41,34 @@ costs no round trip and spares the caller a spurious error right after the serve
 No call waits for the server longer than ``timeout`` (see ``_pg_deadline``): a server that
 stops answering fails calls with ``LeaseStoreUnavailable``, and keep-alive renewals wait no
 longer than their lease has left.
+
+Fleet permits (``_permits.py``) live beside the lease table, in its schema and persistence: a
+table ``<table>_permits`` with one row per busy group holding its ``PermitGroup`` in typed
+columns (``clock``; the permits as parallel arrays ``tokens``, ``holders``, ``untils``; the
+tenants holding or wanting permits as ``tenants``, ``passes``, ``limits``, ``demand``, a
+NULL limit or demand meaning none), deleted once the group holds neither permits nor demand.
+Each step is one PL/pgSQL function, ``<table>_permits_acquire``/``_release``/``_extend``
+(created with the schema, under the same advisory lock, and replaced only when their source
+differs), so each is one statement and one round trip; times are ``clock_timestamp()`` in
+epoch seconds, tokens are ``nextval`` of the lease sequence, wake-ups are ``pg_notify`` on
+the channel of the group's wait hub, delivered at commit. Why this layout:
+
+* one row lock per group (``SELECT ... FOR UPDATE``): every step on a group reads its whole
+  state (the limit counts every tenant's permits, the stride rule compares every waiting
+  tenant's pass), so steps on one group must serialize, and a row lock does that without
+  blocking other groups; a step that finds no row has nothing to serialize with but an
+  insert, which ``ON CONFLICT DO NOTHING`` settles (the loser then locks the winner's row);
+* one row rather than a row per permit and tenant: a step then writes one row, as a lease
+  grant or release does (an uncontended job inserts it and deletes it, one statement each
+  inside the functions), where a normalized layout wrote three tables per step and cost
+  about twice the time; the arrays are bounded by the group's limit and waiting tenants;
+* typed arrays rather than jsonb: float8 round-trips exactly, and passes and the clock are
+  compared with ``<``, so the functions compute exactly what ``PermitGroup`` does.
+
+Durability as for leases: a grant commits with the provider's ``synchronous_commit`` (its
+token must not be handed out twice), releases and steps that granted nothing commit
+asynchronously (undone by a crash, they keep permits out or demand registered until it
+expires, no longer), extensions synchronously.
 """
 
 from __future__ import annotations
@@ -53,7 +81,8 @@ import select
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Final
 
@@ -61,6 +90,7 @@ from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
 from .._notify import Listener, WaitHub
+from .._permits import PermitReply, hub_name
 from .._validate import check_duration, check_table
 from ._drivers import require, route_driver_logs
 
@@ -188,6 +218,7 @@ class PostgresLeases(LeaseProvider):
         self._schema_ready = False
         self._schema_lock = threading.Lock()
         self._resolved: tuple[str, str] | None = None  # (schema, table) as the server sees it
+        self._permit_sql: _PermitSql | None = None  # rendered with the resolved names
         self._op_timeout = self._timeout
         connect_timeout = max(2, math.ceil(self._timeout))  # libpq's minimum is 2 seconds
         t = sql.Identifier(*parts)
@@ -457,13 +488,37 @@ class PostgresLeases(LeaseProvider):
                     conn.execute(self._sql_create_seq)
                     conn.execute(self._sql_start_seq)
                 row = conn.execute(
-                    "SELECT n.nspname, c.relname, c.relpersistence FROM pg_catalog.pg_class c "
-                    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-                    "WHERE c.oid = %s::regclass",
-                    (self._table_literal,),
+                    "SELECT n.nspname, c.relname, c.relpersistence, sn.nspname, s.relname "
+                    "FROM pg_catalog.pg_class c "
+                    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace, "
+                    "pg_catalog.pg_class s JOIN pg_catalog.pg_namespace sn "
+                    "ON sn.oid = s.relnamespace "
+                    "WHERE c.oid = %s::regclass AND s.oid = %s::regclass",
+                    (self._table_literal, self._seq_name_literal),
                 ).fetchone()
+                assert row is not None
+                # The permit table lives beside the lease table, in its persistence, and takes
+                # its tokens from the very sequence the lease grants use (resolved here, so
+                # that providers spelling the table differently share one set of functions).
+                permit_sql = _permit_statements(
+                    (str(row[0]), str(row[1])), (str(row[3]), str(row[4])), row[2] == "u"
+                )
+                for statement in permit_sql.create:
+                    conn.execute(statement)
+                for signature, source, create in permit_sql.functions:
+                    # Replaced only when it differs: CREATE OR REPLACE rewrites the catalog
+                    # and needs the function's owner, which a second role sharing the table
+                    # is not.
+                    found = conn.execute(
+                        "SELECT p.prosrc FROM pg_catalog.pg_proc p "
+                        "WHERE p.oid = to_regprocedure(%s)",
+                        (signature,),
+                    ).fetchone()
+                    if found is None or found[0] != source:
+                        conn.execute(create)
         finally:
             conn.close()
+        self._permit_sql = permit_sql
         if row is not None and self._durable and row[2] == "u":
             raise LeaseStoreMisconfigured(
                 f"PostgreSQL lease table {self.table!r} is UNLOGGED (created by a provider with "
@@ -501,9 +556,12 @@ class PostgresLeases(LeaseProvider):
                     return row, cursor.rowcount
                 finally:
                     self._putconn(conn)
-            except self._psycopg.errors.UndefinedTable as exc:
-                # Dropped behind our back: nothing was executed, so recreating and retrying
-                # once is safe.
+            except (
+                self._psycopg.errors.UndefinedTable,
+                self._psycopg.errors.UndefinedFunction,
+            ) as exc:
+                # Dropped behind our back: the statement failed as a whole, nothing of it was
+                # committed, so recreating and retrying once is safe.
                 self._schema_ready = False
                 if attempt == 2:
                     raise self._error(exc, action) from exc
@@ -580,12 +638,558 @@ class PostgresLeases(LeaseProvider):
         )
         return row is not None
 
+    # -- fleet permits: one function call each (see _permit_statements) ----------------------
+
+    def _permit_statements(self) -> _PermitSql:
+        permit_sql = self._permit_sql
+        if permit_sql is None:  # not before the first call
+            self._ensure_schema(monotonic() + self._timeout)
+            permit_sql = self._permit_sql
+            assert permit_sql is not None
+        return permit_sql
+
+    def _permits_acquire(
+        self,
+        group: str,
+        tenant: str,
+        want: int,
+        weight: float,
+        tenant_limit: int,
+        limit: int,
+        most: float,
+        demand_for: float,
+        more: bool,
+    ) -> PermitReply:
+        channel = self._channel(hub_name(group))
+        row, _ = self._run(
+            self._permit_statements().acquire,
+            {
+                "group": group,
+                "tenant": tenant,
+                "want": want,
+                "weight": weight,
+                "tenant_limit": tenant_limit,
+                "limit": limit,
+                "most": most,
+                "demand_for": demand_for,
+                "more": more,
+                "channel": channel,
+            },
+            "acquire fleet permits",
+        )
+        tokens, wake_in, running, tenant_running = row
+        return PermitReply(
+            tuple(tokens),
+            None if wake_in is None else float(wake_in),
+            int(running),
+            int(tenant_running),
+        )
+
+    def _permits_release(
+        self, group: str, permits: Sequence[tuple[int, str]], *, timeout: float | None = None
+    ) -> int:
+        channel = self._channel(hub_name(group))
+        row, _ = self._run(
+            self._permit_statements().release,
+            {
+                "group": group,
+                "tokens": _bigint_array(token for token, _ in permits),
+                "tenants": _text_array(tenant for _, tenant in permits),
+                "channel": channel,
+            },
+            "release fleet permits",
+            timeout,
+        )
+        return int(row[0])
+
+    def _permits_extend(
+        self,
+        group: str,
+        permits: Sequence[tuple[int, str]],
+        most: float,
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        row, _ = self._run(
+            self._permit_statements().extend,
+            {
+                "group": group,
+                "tokens": _bigint_array(token for token, _ in permits),
+                "tenants": _text_array(tenant for _, tenant in permits),
+                "most": most,
+            },
+            "extend fleet permits",
+            timeout,
+        )
+        return [int(token) for token in row[0]]
+
     def _store_close(self) -> None:
         self._draining = True
         self._drain_idle()
         # Waits for the pool's worker, which may be connecting to a server that does not
         # answer, at most this long.
         self._pool.close(timeout=self._timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class _PermitSql:
+    """The permit table's schema statements, its functions and the calls of them."""
+
+    create: tuple[str, ...]
+    functions: tuple[tuple[str, str, str], ...]  # (signature, body, CREATE OR REPLACE ...)
+    acquire: str
+    release: str
+    extend: str
+
+
+# The permit table: one row per busy group, its PermitGroup (_permits.py) in typed columns.
+# Parallel arrays rather than a jsonb document: float8 round-trips exactly (passes and the clock
+# are compared with <), and a step reads and writes one row, as a lease grant or release does.
+_PERMIT_COLUMNS: Final = "clock, tokens, holders, untils, tenants, passes, limits, demand"
+_PERMIT_TABLE: Final = (
+    "(name text PRIMARY KEY, "
+    "clock float8 NOT NULL, "  # the pass of the latest grant
+    "tokens bigint[] NOT NULL, "  # permits: token, tenant, until (parallel arrays)
+    "holders text[] NOT NULL, "
+    "untils float8[] NOT NULL, "
+    "tenants text[] NOT NULL, "  # tenants with permits or demand, each with its pass,
+    "passes float8[] NOT NULL, "
+    "limits bigint[] NOT NULL, "  # the tenant limit recorded with its demand (or NULL),
+    "demand float8[] NOT NULL)"  # and its demand's until (NULL: wants nothing)
+)
+
+# Every function's variables: the group's row, and the clock.
+_DECLARE_GROUP: Final = """
+    v_found boolean;
+    v_now float8;
+    v_clock float8;
+    v_tokens bigint[];
+    v_holders text[];
+    v_untils float8[];
+    v_tenants text[];
+    v_passes float8[];
+    v_limits bigint[];
+    v_demand float8[];
+    v_changed boolean := false;
+    k int;
+    m int;"""
+
+# Locks the group's row (every step on a group holds it, so steps on one group serialize) and
+# reads it; then the clock, read under the lock.
+_LOCK: Final = """SELECT g.clock, g.tokens, g.holders, g.untils,
+        g.tenants, g.passes, g.limits, g.demand
+    INTO v_clock, v_tokens, v_holders, v_untils, v_tenants, v_passes, v_limits, v_demand
+    FROM {permits} AS g WHERE g.name = p_group FOR UPDATE;
+v_found := FOUND;
+v_now := date_part('epoch', clock_timestamp());"""
+
+# PermitGroup.expire: permits and demand that ran out go; tenants left with neither are
+# forgotten (every other tenant has one or the other: each step keeps it so).
+_EXPIRE: Final = """IF {expired} THEN
+    v_changed := true;
+    SELECT coalesce(array_agg(x.t ORDER BY x.o), '{{}}'),
+           coalesce(array_agg(x.h ORDER BY x.o), '{{}}'),
+           coalesce(array_agg(x.u ORDER BY x.o), '{{}}')
+        INTO v_tokens, v_holders, v_untils
+        FROM unnest(v_tokens, v_holders, v_untils) WITH ORDINALITY AS x(t, h, u, o)
+        WHERE x.u > v_now;
+    SELECT coalesce(array_agg(x.n ORDER BY x.o), '{{}}'),
+           coalesce(array_agg(x.p ORDER BY x.o), '{{}}'),
+           coalesce(array_agg(x.l ORDER BY x.o), '{{}}'),
+           coalesce(array_agg(CASE WHEN x.d > v_now THEN x.d END ORDER BY x.o), '{{}}')
+        INTO v_tenants, v_passes, v_limits, v_demand
+        FROM unnest(v_tenants, v_passes, v_limits, v_demand) WITH ORDINALITY AS x(n, p, l, d, o)
+        WHERE x.d > v_now OR x.n = ANY (v_holders);
+END IF;"""
+
+# Whether a permit or a demand ran out (never NULL: demand has NULLs).
+_EXPIRED: Final = "(v_now >= ANY (v_untils) OR coalesce(v_now >= ANY (v_demand), false))"
+
+# The tenant at index m, forgotten (its pass, limit and demand).
+_FORGET: Final = """v_tenants := v_tenants[:m - 1] || v_tenants[m + 1:];
+v_passes := v_passes[:m - 1] || v_passes[m + 1:];
+v_limits := v_limits[:m - 1] || v_limits[m + 1:];
+v_demand := v_demand[:m - 1] || v_demand[m + 1:];"""
+
+# True when the group holds neither permits nor demand: its row goes.
+_IDLE_GROUP: Final = (
+    "(cardinality(v_tokens) = 0\n"
+    "    AND cardinality(v_demand) = cardinality(array_positions(v_demand, NULL)))"
+)
+
+# Writes the row back (release and extend: it exists), or deletes it once idle.
+_STORE: Final = """IF {idle} THEN
+    DELETE FROM {permits} WHERE name = p_group;
+ELSE
+    UPDATE {permits}
+        SET clock = v_clock, tokens = v_tokens, holders = v_holders, untils = v_untils,
+            tenants = v_tenants, passes = v_passes, limits = v_limits, demand = v_demand
+        WHERE name = p_group;
+END IF;"""
+
+# PermitGroup.acquire. A group without a row (every uncontended job finds one) is computed
+# from the empty state and inserted in one statement, whose NOT EXISTS draws no token when the
+# row is there. Two transactions inserting at once: the second waits for the first's commit,
+# finds the conflict (DO NOTHING; its tokens are a gap in the sequence, as a lease grant that
+# loses its race leaves) and goes on to the row, locked. A row that exists is locked, updated
+# or deleted once idle; one deleted by the transaction we waited for is not found once we get
+# the lock: start over.
+_ACQUIRE_BODY: Final = """
+DECLARE{declare}
+    v_mine bigint;
+    v_me int;
+    v_pass float8;
+    v_grant bigint;
+    v_better bigint;
+    v_token bigint;
+    v_soonest float8;
+    v_notify boolean := false;
+    v_wants boolean;
+BEGIN
+    LOOP
+        IF p_want > 0 OR p_more THEN  -- else there is nothing to insert
+            -- The empty state: no permits, no demand (nothing reserved), clock and pass 0.
+            v_now := date_part('epoch', clock_timestamp());
+            v_grant := greatest(0, least(p_want, p_tenant_limit, p_limit));
+            v_wants := v_grant < p_want OR p_more;
+            IF v_grant <= 1 THEN
+                -- One permit or none (every uncontended job): its token drawn by the
+                -- statement itself, once it found no row. (A statement of one shape: its
+                -- plan is cached, where a token count would have it planned every time.)
+                INSERT INTO {permits} (name, {columns})
+                    SELECT p_group, 0,
+                        CASE WHEN v_grant = 1 THEN ARRAY[nextval({seq}::regclass)]
+                            ELSE '{{}}' END,
+                        CASE WHEN v_grant = 1 THEN ARRAY[p_tenant] ELSE '{{}}' END,
+                        CASE WHEN v_grant = 1 THEN ARRAY[v_now + p_most] ELSE '{{}}' END,
+                        ARRAY[p_tenant],
+                        ARRAY[CASE WHEN v_grant = 1 THEN 0.0::float8 + 1.0::float8 / p_weight
+                            ELSE 0.0::float8 END],
+                        ARRAY[CASE WHEN v_wants THEN p_tenant_limit END],
+                        ARRAY[CASE WHEN v_wants THEN greatest(v_now, v_now + p_demand_for) END]
+                    WHERE NOT EXISTS (SELECT FROM {permits} AS g WHERE g.name = p_group)
+                    ON CONFLICT (name) DO NOTHING
+                    RETURNING {permits}.tokens INTO tokens;
+            ELSE
+                v_clock := 0;
+                v_pass := 0;
+                FOR i IN 1..v_grant LOOP
+                    v_clock := v_pass;
+                    v_pass := v_pass + 1.0::float8 / p_weight;
+                END LOOP;
+                INSERT INTO {permits} (name, {columns})
+                    SELECT p_group, v_clock,
+                        ARRAY(SELECT nextval({seq}::regclass)
+                              FROM generate_series(1, v_grant) ORDER BY 1),
+                        array_fill(p_tenant, ARRAY[v_grant::int]),
+                        array_fill(v_now + p_most, ARRAY[v_grant::int]),
+                        ARRAY[p_tenant], ARRAY[v_pass],
+                        ARRAY[CASE WHEN v_wants THEN p_tenant_limit END],
+                        ARRAY[CASE WHEN v_wants THEN greatest(v_now, v_now + p_demand_for) END]
+                    WHERE NOT EXISTS (SELECT FROM {permits} AS g WHERE g.name = p_group)
+                    ON CONFLICT (name) DO NOTHING
+                    RETURNING {permits}.tokens INTO tokens;
+            END IF;
+            IF FOUND THEN
+                running := v_grant;
+                tenant_running := v_grant;
+                IF v_grant < p_want AND v_grant > 0 THEN  -- the soonest expiry: its permits'
+                    wake_in := greatest(0.0::float8, (v_now + p_most) - v_now);
+                END IF;
+                EXIT;
+            END IF;
+        END IF;
+        {lock}
+        IF NOT v_found THEN
+            CONTINUE WHEN p_want > 0 OR p_more;  -- deleted meanwhile: insert it
+            tokens := '{{}}';  -- an idle group, and it stays so
+            running := 0;
+            tenant_running := 0;
+            EXIT;
+        END IF;
+        {expire}
+        running := cardinality(v_tokens);
+        v_mine := cardinality(array_positions(v_holders, p_tenant));
+        v_me := array_position(v_tenants, p_tenant);
+        -- An idle tenant earns no credit; a new one starts at the clock.
+        v_pass := greatest(coalesce(v_passes[v_me], v_clock), v_clock);
+        v_grant := least(p_want, p_tenant_limit - v_mine, p_limit - running);
+        IF v_grant > 0
+            AND cardinality(v_demand) > cardinality(array_positions(v_demand, NULL))
+        THEN
+            -- Leave a permit for every other waiting tenant further behind (a smaller
+            -- pass) that is below its own tenant limit.
+            v_better := 0;
+            FOR i IN 1..cardinality(v_tenants) LOOP
+                IF v_demand[i] IS NOT NULL AND v_tenants[i] <> p_tenant
+                    AND greatest(v_passes[i], v_clock) < v_pass
+                    AND cardinality(array_positions(v_holders, v_tenants[i]))
+                        < coalesce(v_limits[i], 0)
+                THEN
+                    v_better := v_better + 1;
+                END IF;
+            END LOOP;
+            v_grant := least(v_grant, p_limit - running - v_better);
+        END IF;
+        tokens := '{{}}';
+        FOR i IN 1..v_grant LOOP
+            v_token := nextval({seq}::regclass);
+            tokens := array_append(tokens, v_token);
+            v_tokens := array_append(v_tokens, v_token);
+            v_holders := array_append(v_holders, p_tenant);
+            v_untils := array_append(v_untils, v_now + p_most);
+            v_clock := v_pass;
+            v_pass := v_pass + 1.0::float8 / p_weight;
+        END LOOP;
+        running := cardinality(v_tokens);
+        tenant_running := v_mine + cardinality(tokens);
+        IF cardinality(tokens) < p_want OR p_more THEN
+            IF v_me IS NULL THEN
+                v_tenants := array_append(v_tenants, p_tenant);
+                v_passes := array_append(v_passes, v_pass);
+                v_limits := array_append(v_limits, p_tenant_limit);
+                v_demand := array_append(v_demand, greatest(v_now, v_now + p_demand_for));
+            ELSE
+                v_passes[v_me] := v_pass;
+                v_limits[v_me] := p_tenant_limit;
+                v_demand[v_me] := greatest(coalesce(v_demand[v_me], v_now), v_now + p_demand_for);
+            END IF;
+        ELSE
+            -- A pure withdrawal with permits free: a waiter may have yielded to it.
+            v_notify := v_me IS NOT NULL AND v_demand[v_me] IS NOT NULL AND p_want = 0
+                AND running < p_limit;
+            IF tenant_running > 0 THEN
+                IF v_me IS NULL THEN
+                    v_tenants := array_append(v_tenants, p_tenant);
+                    v_passes := array_append(v_passes, v_pass);
+                    v_limits := array_append(v_limits, NULL::bigint);
+                    v_demand := array_append(v_demand, NULL::float8);
+                ELSE
+                    v_passes[v_me] := v_pass;
+                    v_demand[v_me] := NULL;
+                END IF;
+            ELSIF v_me IS NOT NULL THEN  -- neither permits nor demand: forgotten
+                m := v_me;
+                {forget}
+            END IF;
+        END IF;
+        IF cardinality(tokens) < p_want THEN
+            v_soonest := NULL;  -- least() skips NULLs
+            FOR i IN 1..cardinality(v_untils) LOOP
+                v_soonest := least(v_soonest, v_untils[i]);
+            END LOOP;
+            FOR i IN 1..cardinality(v_tenants) LOOP
+                IF v_tenants[i] <> p_tenant THEN
+                    v_soonest := least(v_soonest, v_demand[i]);
+                END IF;
+            END LOOP;
+            IF v_soonest IS NOT NULL THEN
+                wake_in := greatest(0.0::float8, v_soonest - v_now);
+            END IF;
+        END IF;
+        {store}
+        EXIT;
+    END LOOP;
+    IF v_notify THEN
+        PERFORM pg_notify(p_channel, '');  -- delivered at commit
+    END IF;
+    IF cardinality(tokens) = 0 THEN
+        -- Nothing granted, no token used: a crash undoing this costs a wait at most (as a
+        -- lease release), so it need not wait for the WAL flush.
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+END
+"""
+
+# PermitGroup.release.
+_RELEASE_BODY: Final = """
+DECLARE{declare}
+    v_held bigint := 0;
+BEGIN
+    -- Every permit released and nobody waiting (every uncontended job): the steps below,
+    -- in one statement. All were held, every tenant is forgotten, the group goes. (The clock
+    -- is read when the row is, after any wait for its lock.)
+    DELETE FROM {permits} AS g
+        WHERE g.name = p_group AND g.tokens = p_tokens AND g.holders = p_tenants
+            AND date_part('epoch', clock_timestamp()) < ALL (g.untils)
+            AND cardinality(array_positions(g.demand, NULL)) = cardinality(g.demand);
+    IF FOUND THEN
+        PERFORM pg_notify(p_channel, '');
+        PERFORM set_config('synchronous_commit', 'off', true);
+        RETURN cardinality(p_tokens);
+    END IF;
+    {lock}
+    IF NOT v_found THEN  -- an idle group: nothing is held
+        RETURN 0;
+    END IF;
+    {expire}
+    FOR j IN 1..cardinality(p_tokens) LOOP
+        k := array_position(v_tokens, p_tokens[j]);
+        IF k IS NOT NULL AND v_holders[k] = p_tenants[j] THEN
+            v_tokens := v_tokens[:k - 1] || v_tokens[k + 1:];
+            v_holders := v_holders[:k - 1] || v_holders[k + 1:];
+            v_untils := v_untils[:k - 1] || v_untils[k + 1:];
+            v_held := v_held + 1;
+            m := array_position(v_tenants, p_tenants[j]);
+            IF m IS NOT NULL AND v_demand[m] IS NULL
+                AND array_position(v_holders, p_tenants[j]) IS NULL
+            THEN
+                {forget}
+            END IF;
+        END IF;
+    END LOOP;
+    IF v_held > 0 OR v_changed THEN
+        {store}
+    END IF;
+    IF v_held > 0 THEN
+        PERFORM pg_notify(p_channel, '');  -- delivered at commit
+    END IF;
+    -- Asynchronous, as a lease release: one undone by a crash keeps permits out until they
+    -- expire, no longer.
+    PERFORM set_config('synchronous_commit', 'off', true);
+    RETURN v_held;
+END
+"""
+
+# PermitGroup.extend.
+_EXTEND_BODY: Final = """
+DECLARE{declare}
+    v_lost bigint[] := '{{}}';
+BEGIN
+    {lock}
+    IF NOT v_found THEN  -- an idle group: nothing is held
+        RETURN p_tokens;
+    END IF;
+    {expire}
+    FOR j IN 1..cardinality(p_tokens) LOOP
+        k := array_position(v_tokens, p_tokens[j]);
+        IF k IS NULL OR v_holders[k] <> p_tenants[j] THEN
+            v_lost := array_append(v_lost, p_tokens[j]);
+        ELSE
+            v_untils[k] := v_now + p_most;
+            v_changed := true;
+        END IF;
+    END LOOP;
+    IF v_changed THEN
+        {store}
+    END IF;
+    RETURN v_lost;
+END
+"""
+
+
+def _permit_statements(table: tuple[str, str], seq: tuple[str, str], unlogged: bool) -> _PermitSql:
+    """The permit table and its functions beside the lease table ``table`` (schema and name as
+    the server resolved them) whose token sequence is ``seq``, and the calls of them."""
+    from psycopg import sql
+
+    schema, relation = table
+
+    def ident(suffix: str) -> str:
+        return sql.Identifier(schema, _derived_identifier(relation, suffix)).as_string(None)
+
+    permits = ident("_permits")
+    names = {
+        "permits": permits,
+        "columns": _PERMIT_COLUMNS,
+        "seq": sql.Literal(sql.Identifier(*seq).as_string(None)).as_string(None),
+        "idle": _IDLE_GROUP,
+        "expired": _EXPIRED,
+    }
+
+    def placed(fragment: str, spaces: int) -> str:
+        # A fragment's first line goes where the template puts it, the others under it.
+        return fragment.replace("\n", "\n" + " " * spaces)
+
+    def body(template: str, lock: int, expire: int, store: int, forget: int) -> str:
+        parts = {
+            "declare": _DECLARE_GROUP,
+            "lock": placed(_LOCK.format(**names), lock),
+            "expire": placed(_EXPIRE.format(**names), expire),
+            "store": placed(_STORE.format(**names), store),
+            "forget": placed(_FORGET, forget),
+        }
+        return template.format(**parts, **{**names, "idle": placed(_IDLE_GROUP, 8)})
+
+    acquire_fn = ident("_permits_acquire")
+    release_fn = ident("_permits_release")
+    extend_fn = ident("_permits_extend")
+    functions = (
+        (
+            acquire_fn,
+            "p_group text, p_tenant text, p_want bigint, p_weight float8, "
+            "p_tenant_limit bigint, p_limit bigint, p_most float8, p_demand_for float8, "
+            "p_more boolean, p_channel text, OUT tokens bigint[], OUT wake_in float8, "
+            "OUT running bigint, OUT tenant_running bigint",
+            "(text, text, bigint, float8, bigint, bigint, float8, float8, boolean, text)",
+            "",
+            body(_ACQUIRE_BODY, lock=8, expire=8, store=8, forget=16),
+        ),
+        (
+            release_fn,
+            "p_group text, p_tokens bigint[], p_tenants text[], p_channel text",
+            "(text, bigint[], text[], text)",
+            " RETURNS bigint",
+            body(_RELEASE_BODY, lock=4, expire=4, store=8, forget=16),
+        ),
+        (
+            extend_fn,
+            "p_group text, p_tokens bigint[], p_tenants text[], p_most float8",
+            "(text, bigint[], text[], float8)",
+            " RETURNS bigint[]",
+            body(_EXTEND_BODY, lock=4, expire=4, store=8, forget=0),
+        ),
+    )
+    kind = "UNLOGGED TABLE" if unlogged else "TABLE"
+    return _PermitSql(
+        create=(f"CREATE {kind} IF NOT EXISTS {permits} {_PERMIT_TABLE}",),
+        functions=tuple(
+            (
+                name + types,
+                source,
+                f"CREATE OR REPLACE FUNCTION {name}({args}){returns} LANGUAGE plpgsql "
+                f"AS $rxcoord${source}$rxcoord$",
+            )
+            for name, args, types, returns, source in functions
+        ),
+        acquire=(
+            f"SELECT tokens, wake_in, running, tenant_running FROM {acquire_fn}("
+            "%(group)s::text, %(tenant)s::text, %(want)s::bigint, %(weight)s::float8, "
+            "%(tenant_limit)s::bigint, %(limit)s::bigint, %(most)s::float8, "
+            "%(demand_for)s::float8, %(more)s::boolean, %(channel)s::text)"
+        ),
+        release=(
+            f"SELECT {release_fn}(%(group)s::text, %(tokens)s::bigint[], "
+            "%(tenants)s::text[], %(channel)s::text)"
+        ),
+        extend=(
+            f"SELECT {extend_fn}(%(group)s::text, %(tokens)s::bigint[], "
+            "%(tenants)s::text[], %(most)s::float8)"
+        ),
+    )
+
+
+# Arrays sent as their text form: psycopg's list adaptation (it inspects the elements to pick
+# a type) costs the client more than the rest of a release; the statement casts them.
+
+
+def _bigint_array(values: Iterable[int]) -> str:
+    return "{" + ",".join(str(int(value)) for value in values) + "}"
+
+
+def _text_array(values: Iterable[str]) -> str:
+    quoted = ('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"' for value in values)
+    return "{" + ",".join(quoted) + "}"
+
+
+def _derived_identifier(base: str, suffix: str) -> str:
+    """``base + suffix`` within the identifier limit; where it must be shortened, with a hash of
+    ``base`` too: two lease tables whose names share a prefix must not share permit tables
+    (their groups would be one), unlike a sequence, which they may share."""
+    if len((base + suffix).encode()) <= _MAX_IDENTIFIER:
+        return base + suffix
+    digest = hashlib.blake2b(base.encode(), digest_size=4).hexdigest()
+    return _truncate_identifier(base, f"_{digest}{suffix}")
 
 
 def _truncate_identifier(base: str, suffix: str) -> str:
@@ -609,8 +1213,9 @@ def _fix_for(sqlstate: str | None, text: str) -> str:
         return "create the role, or name an existing one in the connection string"
     if sqlstate == "42501" or "permission denied" in lowered:
         return (
-            "grant the role CREATE on the schema (or create the lease table and its sequence "
-            "beforehand) and SELECT, INSERT, UPDATE, DELETE on the table, USAGE on the sequence"
+            "grant the role CREATE on the schema (or create the lease table, its sequence and "
+            "its permit table and functions beforehand) and SELECT, INSERT, UPDATE, DELETE on "
+            "the tables, USAGE on the sequence"
         )
     if (sqlstate or "").startswith(("3F", "42")):
         return "check the table name and schema given to PostgresLeases(table=...)"

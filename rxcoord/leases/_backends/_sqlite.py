@@ -19,6 +19,15 @@ SQLite cannot notify other processes, so waiters poll with exponential backoff (
 holder's expiry); waiters in the same provider are woken directly on release. The database runs
 in WAL mode so readers never block the writer; with ``durable=True`` (default) every grant is
 fsynced before it is reported, so tokens survive a power cut too.
+
+Fleet permits (``_permits.py``) are a table ``<table>_permits (name, state)``: one row per
+busy group whose ``state`` is its :class:`~rxcoord.leases._permits.PermitGroup` as JSON,
+deleted once the group holds neither permits nor demand. Each step is one ``BEGIN
+IMMEDIATE`` transaction: read the row and the clock, run the reference ``PermitGroup``
+method, write the row back; the write lock serializes it with every other writer of the
+file, lease grants included, so its tokens come straight from ``<table>_seq`` (read once,
+written back once) and interleave with the leases' in one increasing sequence. Releases and
+withdrawals wake this provider's waiters directly; other processes' waiters poll.
 """
 
 from __future__ import annotations
@@ -28,18 +37,21 @@ import os
 import socket
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from time import monotonic
-from typing import Final
+from typing import Final, TypeVar
 
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
 from .._notify import WaitHub
+from .._permits import PermitGroup, PermitReply, hub_name
 from .._validate import check_duration, check_table
 
 __all__ = ["SqliteLeases"]
+
+_R = TypeVar("_R")
 
 # Seconds since the Unix epoch on the machine's clock, millisecond resolution.
 _NOW: Final = "((julianday('now') - 2440587.5) * 86400.0)"
@@ -99,6 +111,7 @@ class SqliteLeases(LeaseProvider):
         seq_parts = (*parts[:-1], parts[-1] + "_seq")
         q = ".".join(f'"{part}"' for part in seq_parts)
         schema = f'"{parts[0]}".' if len(parts) == 2 else ""
+        permits = ".".join(f'"{part}"' for part in (*parts[:-1], parts[-1] + "_permits"))
         seq_local = f'"{parts[-1]}_seq"'  # trigger bodies may not qualify names (same schema)
         advance = f"BEGIN UPDATE {seq_local} SET token = NEW.token WHERE token < NEW.token; END"
         self._sql_create = [
@@ -114,6 +127,8 @@ class SqliteLeases(LeaseProvider):
             f'AFTER UPDATE OF token ON "{parts[-1]}" {advance}',
             f'CREATE TRIGGER IF NOT EXISTS {schema}"{parts[-1]}_seq_on_insert" '
             f'AFTER INSERT ON "{parts[-1]}" {advance}',
+            # Fleet permits: one row per busy group, PermitGroup.dumps() (see _permits.py).
+            f"CREATE TABLE IF NOT EXISTS {permits} (name TEXT PRIMARY KEY, state TEXT)",
         ]
         next_token = f"(SELECT token + 1 FROM {q} WHERE id = 1)"
         self._sql_grant = (
@@ -139,6 +154,15 @@ class SqliteLeases(LeaseProvider):
             f"UPDATE {t} SET locked_until = max(least_until, {_NOW}), released = 1 WHERE {owned}"
         )
         self._sql_sweep = f"DELETE FROM {t} WHERE locked_until <= {_NOW}"
+        self._sql_permits_read = f"SELECT {_NOW}, (SELECT state FROM {permits} WHERE name = ?1)"
+        self._sql_permits_write = (
+            f"INSERT INTO {permits} (name, state) VALUES (?1, ?2) "
+            "ON CONFLICT (name) DO UPDATE SET state = excluded.state"
+        )
+        self._sql_permits_delete = f"DELETE FROM {permits} WHERE name = ?1"
+        # Permits take their tokens from the leases' sequence (read once, written back once).
+        self._sql_seq_read = f"SELECT token FROM {q} WHERE id = 1"
+        self._sql_seq_write = f"UPDATE {q} SET token = ?1 WHERE id = 1 AND token < ?1"
         self._next_sweep = 0.0
         super().__init__(WaitHub(), poll=(first, max(first, cap)))
 
@@ -291,12 +315,126 @@ class SqliteLeases(LeaseProvider):
             return True
         return False
 
+    # -- fleet permits: one write transaction over the group's PermitGroup (see _permits.py) ---
+
+    def _permits_step(
+        self,
+        group: str,
+        timeout: float | None,
+        action: str,
+        step: Callable[[PermitGroup, float, Callable[[], int]], _R],
+    ) -> _R:
+        """Run ``step(table, now, next_token)`` on the group's state in one write transaction.
+
+        ``BEGIN IMMEDIATE`` takes the database's write lock first, so the read, the step and
+        the write-back are one atomic step for every process on the file (and the sequence
+        cannot move under us: lease grants write too). The group's row is deleted once it is
+        empty.
+        """
+        with self._locked(timeout, action) as conn:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise self._fail(exc, action) from exc
+            try:
+                now, state = conn.execute(self._sql_permits_read, (group,)).fetchone()
+                table = PermitGroup.loads(state)
+                tokens = _Tokens(conn, self._sql_seq_read)
+                result = step(table, float(now), tokens.next)
+                if tokens.last is not None:
+                    conn.execute(self._sql_seq_write, (tokens.last,))
+                if not table.empty:
+                    conn.execute(self._sql_permits_write, (group, table.dumps()))
+                elif state is not None:
+                    conn.execute(self._sql_permits_delete, (group,))
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                with suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise self._fail(exc, action) from exc
+                raise
+        return result
+
+    def _permits_acquire(
+        self,
+        group: str,
+        tenant: str,
+        want: int,
+        weight: float,
+        tenant_limit: int,
+        limit: int,
+        most: float,
+        demand_for: float,
+        more: bool,
+    ) -> PermitReply:
+        def step(
+            table: PermitGroup, now: float, next_token: Callable[[], int]
+        ) -> tuple[PermitReply, bool]:
+            return table.acquire(
+                now, next_token, tenant, want, weight, tenant_limit, limit, most, demand_for, more
+            )
+
+        reply, notify = self._permits_step(group, None, "acquire fleet permits", step)
+        if notify:
+            self._hub.notify(hub_name(group))  # other processes find out by polling
+        return reply
+
+    def _permits_release(
+        self, group: str, permits: Sequence[tuple[int, str]], *, timeout: float | None = None
+    ) -> int:
+        held = self._permits_step(
+            group,
+            timeout,
+            "release fleet permits",
+            lambda table, now, _: table.release(now, permits),
+        )
+        if held:
+            self._hub.notify(hub_name(group))
+        return held
+
+    def _permits_extend(
+        self,
+        group: str,
+        permits: Sequence[tuple[int, str]],
+        most: float,
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        return self._permits_step(
+            group,
+            timeout,
+            "extend fleet permits",
+            lambda table, now, _: table.extend(now, permits, most),
+        )
+
     def _store_close(self) -> None:
         with self._conn_lock:
             conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
+
+
+class _Tokens:
+    """The store-wide sequence inside a write transaction: read on first use, then counted
+    here; the caller writes ``last`` back before committing."""
+
+    __slots__ = ("_conn", "_read", "last")
+
+    def __init__(self, conn: sqlite3.Connection, read: str) -> None:
+        self._conn = conn
+        self._read = read
+        self.last: int | None = None
+
+    def next(self) -> int:
+        if self.last is None:
+            row = self._conn.execute(self._read).fetchone()
+            if row is None:  # created with the schema: someone deleted it
+                raise sqlite3.DatabaseError("the token sequence's row is missing")
+            self.last = int(row[0])
+        self.last += 1
+        return self.last
 
 
 # -- registry entry (see rxcoord/leases/_registry.py) ------------------------------------------
