@@ -243,14 +243,14 @@ def test_a_flooding_tenant_does_not_starve_light_tenants_on_other_processes(
     def light_latencies(fifo: str | None) -> list[float]:
         fleet.name = f"fair-{random.getrandbits(32):08x}"
         spec = {"limit": 4, "tenant_limit": 4, "fifo": fifo}
-        flood = fleet.start([("flood", 0.01) for _ in range(600)], **spec)
+        flood = fleet.start([("flood", 0.02) for _ in range(600)], **spec)
         wait_until(
             lambda: sum(e.kind == "start" and e.pid == flood.pid for e in fleet.events()) >= 20,
             30.0,
             "the flood to run",
         )
         light = [
-            fleet.start([(f"light{j}", 0.01) for j in range(i, 20, 3)], **spec) for i in range(3)
+            fleet.start([(f"light{j}", 0.02) for j in range(i, 20, 3)], **spec) for i in range(3)
         ]
         for proc in light:
             fleet.finish(proc)
