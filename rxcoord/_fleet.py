@@ -377,7 +377,7 @@ class FleetAdmission:
                 if want == 0 and not lane.registered:
                     lane.busy = False
                     if not lane.waiting:
-                        self._lanes.pop(lane.tenant, None)
+                        self._forget(lane)
                     return full
                 self._round_trips += 1
             sent = monotonic()
@@ -418,8 +418,14 @@ class FleetAdmission:
                     continue  # tickets came, went, or may get more now
                 lane.busy = False
                 if not lane.waiting and not lane.registered:
-                    self._lanes.pop(lane.tenant, None)
+                    self._forget(lane)
                 return full
+
+    def _forget(self, lane: _Lane) -> None:
+        """Drop an idle lane (lock held) - only if it is still the tenant's current lane: a
+        sweep may step a lane after it was dropped and a new one made for new tickets."""
+        if self._lanes.get(lane.tenant) is lane:
+            del self._lanes[lane.tenant]
 
     def _acquire(self, lane: _Lane, want: int, more: bool) -> PermitReply:
         return self._provider._permits_acquire(
@@ -507,6 +513,8 @@ class FleetAdmission:
                     self._sweep_from += 1
             for lane in lanes:
                 with self._lock:
+                    if self._lanes.get(lane.tenant) is not lane:
+                        continue  # dropped since the snapshot (its successor is in _lanes)
                     if not self._kick(lane):
                         continue  # a step is in flight: it goes again when it returns
                 if self._step(lane):

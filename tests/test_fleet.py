@@ -156,6 +156,37 @@ def test_limits_hold_across_members_sharing_a_store(
     assert store.permit_groups() == 0, "an idle fleet leaves nothing in the store"
 
 
+class SlowLeases(MemoryLeases):
+    """A memory provider whose permit steps take a while, like a round trip to a server."""
+
+    def _permits_acquire(self, group: str, *args: Any) -> PermitReply:
+        time.sleep(0.0005)
+        return super()._permits_acquire(group, *args)
+
+
+def test_no_job_is_lost_while_tenants_come_and_go_under_contention(
+    store: MemoryLeaseStore,
+) -> None:
+    # Many short-lived tenants on contended members: lanes are dropped and made again for the
+    # same tenant while wake-up sweeps still hold the old ones (a sweep that dropped the new
+    # lane once left its jobs waiting forever).
+    slow = [SlowLeases(store) for _ in range(4)]
+    members = [
+        TenantScheduler(
+            3, tenant_max_concurrency=1, tenant_max_queue_size=500, name="churn", fleet=provider
+        )
+        for provider in slow
+    ]
+    jobs = [members[i % 4].execute(f"t{i % 10}", lambda: None) for i in range(1500)]
+    outcomes = run_all(jobs)
+    assert all(o.error is None for o in outcomes)
+    for member in members:
+        member.close()
+    for provider in slow:
+        provider.close()
+    assert store.permit_groups() == 0
+
+
 def test_a_coordinator_shares_max_concurrency_with_its_namesakes(
     providers: Callable[[], MemoryLeases],
 ) -> None:

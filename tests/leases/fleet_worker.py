@@ -30,11 +30,16 @@ import threading
 import time
 from typing import Any
 
+from loguru import logger
+
 from rxcoord import TenantScheduler, current_permit
 from rxcoord.leases import leases_from_url
 
 
 def main() -> None:
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")  # what went wrong shows in the test's output
+    logger.enable("rxcoord")
     spec = json.loads(sys.argv[1])
     fd = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     pid = os.getpid()
@@ -57,6 +62,31 @@ def main() -> None:
         fleet=provider,
         permit_at_most_for=spec["permit_at_most_for"],
     )
+
+    def dump(*_: object) -> None:  # kill -USR1: the state of a member that seems stuck
+        fleet = runner._fleet
+        assert fleet is not None
+        lanes = {
+            t: (len(lane.waiting), lane.busy, lane.dirty, lane.registered)
+            for t, lane in fleet._lanes.items()
+        }
+        with open(spec["log"] + f".{pid}.dump", "w") as out:
+            out.write(
+                f"{runner.stats()}\nlanes {lanes} sweeping {fleet._sweeping} "
+                f"again {fleet._sweep_again} held {len(fleet._held)} "
+                f"releases {len(fleet._releases)} releasing {fleet._releasing}\n"
+            )
+            for t, c in runner._tenants.items():
+                out.write(f"{t}: {c.coordinator.stats()}\n")
+                for task in c.coordinator._tasks:
+                    out.write(
+                        f"   task state={task.state} settled={task.settled} "
+                        f"ticket={task.ticket!r}\n"
+                    )
+
+    import signal
+
+    signal.signal(signal.SIGUSR1, dump)
     left = [len(jobs)]
     all_done = threading.Event()
     lock = threading.Lock()
