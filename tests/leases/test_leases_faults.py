@@ -438,3 +438,32 @@ def test_keep_alive_restarted_by_a_failed_release_survives_a_renewal_in_flight(
         finish_tick.set()
         leases.close()
         other.close()
+
+
+@pytest.mark.slow
+def test_a_fleet_fails_new_jobs_while_its_store_is_down_and_recovers(store: Store) -> None:
+    from rxcoord import TenantTaskCoordinator
+
+    coordinator = TenantTaskCoordinator(
+        name=f"fleet-{uuid.uuid4().hex[:8]}",
+        max_concurrency=2,
+        fleet=store.make(),
+        permit_at_most_for=60.0,
+    )
+    try:
+        assert coordinator.execute(lambda: "up").run() == "up"
+        store.down()
+        try:
+            # Refused within the provider's timeout, with the store's error: not a hang.
+            with pytest.raises(LeaseStoreUnavailable):
+                coordinator.execute(lambda: "never").run()
+            stats = coordinator.stats()
+            assert stats.running == 0
+            assert stats.fleet is not None
+            assert stats.fleet.store_errors >= 1
+        finally:
+            store.up()
+        # Back: the next job is admitted (no error left to retry, no permit leaked).
+        assert coordinator.execute(lambda: "up again").run() == "up again"
+    finally:
+        coordinator.close()
