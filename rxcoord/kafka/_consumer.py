@@ -290,7 +290,6 @@ class KeyedConsumer:
         self._pool: WorkerPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # where async handlers run
         self._own_loop: threading.Thread | None = None
-        self._poll_thread: int | None = None
 
     # -- public API ------------------------------------------------------------------------
 
@@ -505,7 +504,6 @@ class KeyedConsumer:
         inline call of this one.
         """
         _inside.consumer = self
-        self._poll_thread = threading.get_ident()
         engine = self._engine
         try:
             if resume is not None:
