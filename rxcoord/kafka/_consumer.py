@@ -16,11 +16,45 @@ records still runs and then assigned back to this consumer is fetched again from
 the re-fetched record of that key queues behind the still-running one in the same lane instead
 of running beside it (Confluent parallel-consumer #843).
 
-Sync handlers run on worker threads; with ``inline=True`` (or ``None``: while their measured
-average duration is under ``_INLINE_BELOW`` seconds) they run on the poll thread when their key
-and a slot are free, because a thread hand-off costs tens of microseconds, more than a trivial
-handler itself. Inline is not the default: a handler that is fast for most records and blocks
-on one would block every key, which is what a keyed consumer promises not to do.
+The start gate. A record that holds a slot may still wait before its handler is called: for a
+worker thread, in a scheduler's queue, for its key's lease. Right before the call, under the
+lock, it is admitted only while its partition is still ``ACTIVE`` (and the consumer is not
+stopping without a drain), and then counted as *started*; a revoke waits (``revoke_timeout``)
+for started records only. So no record of a revoked partition starts, also one that got its
+key's lease only after the partition had moved on, and a revoke is never held up by records
+that had not started.
+
+Across processes. Past ``revoke_timeout`` the partition belongs to its new owner while a record
+of it may still run here. Nothing in Kafka waits for it (a member that does not answer within
+the rebalance timeout, ``max.poll.interval.ms``, is expelled and its partitions reassigned all
+the same), and a running Python thread cannot be stopped, so within the consumer the promise is:
+no two runs of a key overlap while records finish within ``revoke_timeout``. Past it, exclusion
+comes from a lease per key, ``scheduler=TenantTaskCoordinator(leases=provider)``: a run holds
+its key's lease (kept alive) until it ends, the new owner's run of that key waits for it, then
+passes the gate. That holds while each holder keeps its lease alive; a holder that cannot renew
+it within ``lease_at_most_for`` (store unreachable, process frozen) loses it and its record ends
+with ``LeaseLost`` (through ``on_error``), and a killed holder's key is free again after
+``lease_at_most_for``.
+
+Where sync handlers run. A thread hand-off costs tens of microseconds, more than a trivial
+handler itself, so by default (``inline=None``) a sync handler whose measured average duration
+is under ``_INLINE_BELOW`` runs on the poll thread itself when its key has nothing queued or
+running and a slot is free; slower ones run on worker threads. One call in eight is timed
+(the first call always), workers time every call, and the average decides per batch.
+
+A fast average does not stop one call from blocking, which would stall every key, not just its
+own. So while inline calls are possible a *watchdog* thread looks at the running inline call
+every ``_STALL`` seconds; a call it sees twice has run for at least that long, and it takes the
+poll role away from it: under the consumer's lock it claims the record (an atomic ``list.pop``
+from a one-element slot, against which the poll thread's own ``pop`` after the call races),
+counts it as a running record in its key's lane (later records of the key queue behind it, the
+partition's commit point waits for it, a revoke waits for it like for a worker's record), and
+starts a new poll thread that dispatches the rest of the batch and goes on polling. The old
+thread finishes the record like a worker and leaves the poll loop (``_Handover``); ``run()``'s
+thread then waits for the run to end. A blocked call therefore holds back the other keys for
+about ``2 * _STALL`` seconds, once, and the average it leaves sends the handler to the workers
+until they measure it fast again. Only one thread at a time is the poll thread: the claim, done
+under the lock while the old thread is still inside the handler, is the hand-off point.
 """
 
 from __future__ import annotations
@@ -29,18 +63,20 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import itertools
 import signal
 import threading
 import time
 import types
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NoReturn
 
 from confluent_kafka import Message
 from reactivex import abc as rx_abc
 
 from rxcoord import TenantScheduler, TenantTaskCoordinator, TooManyTasks
+from rxcoord._core.workers import WorkerPool
 
 from ._engine import Engine
 from ._errors import ConsumerClosed
@@ -54,8 +90,14 @@ OnError = Literal["stop", "skip"] | Callable[[Record, Exception], object]
 
 _INLINE_BELOW: Final = 50e-6  # seconds: sync handlers faster than this on average run inline
 _EWMA: Final = 0.05
-_FIRST_GUESS: Final = 1e-3  # seconds: the assumed handler duration before any was measured
+_CLAMP: Final = 4 * _INLINE_BELOW  # a timed call counts at most this long in the average
+_STALL: Final = 0.01  # seconds between the watchdog's looks at the running inline call
 _RETRY_AFTER: Final = 0.05  # seconds before a record refused with TooManyTasks is offered again
+_NOT_RUN: Final = object()  # a job of a revoked partition (or a stopped consumer) that never ran
+
+
+class _Handover(Exception):
+    """Leaves the poll loop on the thread whose inline call the watchdog took over (private)."""
 
 
 def _plain(result: object) -> bool:
@@ -70,7 +112,7 @@ class _Inside(threading.local):
     consumer: object = None
 
 
-_inside = _Inside()  # which consumer's worker or loop thread this is (close() must not wait)
+_inside = _Inside()  # which consumer's poll, worker or loop thread this is (close() must not wait)
 
 
 class KeyedConsumer:
@@ -85,13 +127,16 @@ class KeyedConsumer:
 
     Beyond ``max_in_flight`` fetched-but-uncommitted records the partitions holding most of them
     are paused while polling continues, so the consumer stays in its group. On revoke no record
-    of a revoked partition starts, running ones get ``revoke_timeout`` seconds, the completed
-    prefix is committed, and later results of that assignment are dropped.
+    of a revoked partition starts (also none that was still waiting in a scheduler or for its
+    key's lease), running ones get ``revoke_timeout`` seconds, the completed prefix is
+    committed, and later results of that assignment are dropped. A record still running past
+    ``revoke_timeout`` may overlap the new owner's run of it in another process, unless the
+    records run under per-key leases (``scheduler=TenantTaskCoordinator(leases=...)``).
 
-    ``handle(record)`` may be a plain function (runs on a worker thread, or inline when it is
-    very fast), an ``async def`` (runs on the loop of :meth:`run_async`, or on a loop thread the
-    consumer owns under :meth:`run`), or return an Observable (the record ends when it
-    terminates) or a future.
+    ``handle(record)`` may be a plain function (runs on the poll thread while it is measured
+    very fast, else on a worker thread; see ``inline``), an ``async def`` (runs on the loop of
+    :meth:`run_async`, or on a loop thread the consumer owns under :meth:`run`), or return an
+    Observable (the record ends when it terminates) or a future.
 
     Args:
         config: confluent-kafka configuration, passed through; ``bootstrap.servers`` and
@@ -112,16 +157,22 @@ class KeyedConsumer:
             raises, the consumer stops with that exception).
         commit_interval: Seconds between periodic commits.
         revoke_timeout: Seconds a revoke waits for running records of the revoked partitions.
+            Past it the partition goes to its new owner while the record may still run here:
+            per-key exclusion across processes past this deadline needs
+            ``scheduler=TenantTaskCoordinator(leases=...)`` (a lease per key).
         drain_timeout: Seconds ``close(drain=True)`` and signals wait for fetched records.
         startup_timeout: Seconds ``run()`` waits for the cluster's metadata before failing.
         batch_size: Most records fetched per ``consume()`` call.
-        inline: Run sync handlers on the poll thread when their key is free and a slot is
-            free: ``False`` (default) never; ``True`` always, for handlers that never block
-            (a thread hand-off costs more than such a handler, see ``benchmarks/
-            bench_kafka.py``); ``None`` when the handler's measured average duration is under
-            50 µs. With ``True`` or ``None``, a call that blocks after all blocks the poll
-            loop and with it every other key (membership survives: heartbeats are
-            librdkafka's), so keep them for handlers that cannot block.
+        inline: Where sync handlers run when their key has nothing queued or running and a
+            slot is free. ``None`` (default): on the poll thread while their measured average
+            duration is under 50 µs (a thread hand-off costs more than such a handler, see
+            ``benchmarks/bench_kafka.py``), else on worker threads. ``True``: on the poll
+            thread whatever they measure (CPU-bound handlers, which threads cannot speed up
+            under the GIL). ``False``: always on worker threads. With ``None`` and ``True`` an
+            inline call that runs longer than about 10 ms is taken over: the poll loop moves
+            to a new thread and the call finishes as a worker's, so one blocking call holds
+            the other keys back for about 20 ms, not for its whole duration
+            (``stats().handovers`` counts them).
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -146,7 +197,7 @@ class KeyedConsumer:
         drain_timeout: float = 30.0,
         startup_timeout: float = 10.0,
         batch_size: int = 500,
-        inline: bool | None = False,
+        inline: bool | None = None,
     ) -> None:
         config = _check_config(config)
         topics = _check_topics(topics)
@@ -189,10 +240,17 @@ class KeyedConsumer:
         self._drain_timeout = _check_seconds(drain_timeout, "drain_timeout")
         self._is_async = inspect.iscoroutinefunction(handle)
         self._inline_mode = inline
-        # The measured average duration of a sync handler call. It starts pessimistic: the first
-        # records run on workers, so a slow handler never blocks the poll thread to be measured;
-        # some sixty fast calls bring the average under the inline threshold.
-        self._ewma = _FIRST_GUESS
+        # With one topic (not a pattern) every message is of it: dispatch never asks.
+        self._single_topic = topics[0] if len(topics) == 1 and topics[0][:1] != "^" else None
+        # Only sync handlers run by the consumer itself can run on the poll thread.
+        self._can_inline = inline is not False and not self._is_async and scheduler is None
+        # The measured average duration of a sync handler call (seconds), each sample clamped
+        # to _CLAMP: one call preempted for a GIL switch interval (5 ms) must not send a fast
+        # handler to the workers, so it takes about six slow samples in a row to cross
+        # _INLINE_BELOW. It starts at zero: the first call runs inline and is timed, and so is
+        # each call after a slow sample; a blocking call is the watchdog's.
+        self._ewma = 0.0
+        self._countdown = 1  # inline calls until the next timed one
         self._engine = Engine(
             config,
             topics,
@@ -214,7 +272,14 @@ class KeyedConsumer:
         self._running = 0
         self._queued = 0
         self._completed = 0
-        self._inline_completed = 0  # poll-thread only, so counted without the lock
+        self._inline_completed = 0  # records that ran and ended on the poll thread
+        self._handovers = 0  # inline calls the watchdog took over
+        # The running inline call's record, claimed by one pop. One list per poll thread: a
+        # hand-over gives the new poll thread a new one, so the old thread's pop after its
+        # call can only fail, never take the new thread's record.
+        self._slot: list[Record] = []
+        self._batch: list[Message] = []  # the batch being dispatched (the watchdog resumes it)
+        self._error: BaseException | None = None  # what ended the poll loop, if not a stop
         self._failed = 0
         self._dropped = 0
         self._accepting = True  # new records may start (false once stopping without drain)
@@ -222,10 +287,9 @@ class KeyedConsumer:
         self._drain = True
         self._failure: BaseException | None = None
         self._done = threading.Event()  # run() has finished
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: WorkerPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # where async handlers run
         self._own_loop: threading.Thread | None = None
-        self._poll_thread: int | None = None
 
     # -- public API ------------------------------------------------------------------------
 
@@ -310,8 +374,8 @@ class KeyedConsumer:
             self._done.set()
             return
         self._request_close(drain)
-        if _inside.consumer is self or threading.get_ident() == self._poll_thread:
-            return
+        if _inside.consumer is self:
+            return  # a poll, worker or loop thread of ours: the run waits for it, not it for us
         if self._loop is not None and _on_loop(self._loop):
             return  # an async handler on our loop: waiting would block the records it awaits
         self._done.wait()
@@ -344,6 +408,8 @@ class KeyedConsumer:
                 len(self._lanes),
                 engine.rebalances,
                 engine.commits,
+                self._inline_completed,
+                self._handovers,
             )
         partitions = []
         for s, position, committable, committed, held, paused, epoch in parts:
@@ -360,7 +426,8 @@ class KeyedConsumer:
                     paused=paused,
                 )
             )
-        fetched, completed, failed, dropped, running, queued, longest, keys, reb, commits = snapshot
+        (fetched, completed, failed, dropped, running, queued, longest, keys, reb, commits,
+         inline, handovers) = snapshot  # fmt: skip
         return ConsumerStats(
             state=self._state,
             fetched=fetched,
@@ -375,6 +442,8 @@ class KeyedConsumer:
             paused_partitions=sum(1 for p in partitions if p.paused),
             rebalances=reb,
             commits=commits,
+            inline=inline,
+            handovers=handovers,
             partitions=tuple(partitions),
         )
 
@@ -405,27 +474,64 @@ class KeyedConsumer:
 
     def _run_blocking(self, loop: asyncio.AbstractEventLoop | None) -> None:
         engine = self._engine
-        self._poll_thread = threading.get_ident()
         self._loop = loop
         try:
-            engine.check_startup()
-            engine.subscribe()
+            try:
+                engine.check_startup()
+                engine.subscribe()
+            except BaseException as exc:
+                self._error = exc
+                self._end_run()
+            else:
+                if self._can_inline:
+                    threading.Thread(
+                        target=self._watch, name="rxcoord-kafka-watch", daemon=True
+                    ).start()
+                self._poll(None)
+                # After a hand-over another thread polls and ends the run: wait for it.
+                self._done.wait()
+        finally:
+            _inside.consumer = None
+        failure = self._error or self._failure or engine.failure
+        if failure is not None:
+            raise failure
+
+    def _poll(self, resume: tuple[list[Message], int] | None) -> None:
+        """Be the poll thread: poll, dispatch and commit until the run stops, then end it.
+
+        ``resume`` is the batch (and the index in it) a hand-over left to this new poll thread.
+        Returns early, leaving the run to the next poll thread, when the watchdog took over an
+        inline call of this one.
+        """
+        _inside.consumer = self
+        engine = self._engine
+        try:
+            if resume is not None:
+                self._dispatch(*resume)
+                engine.housekeeping()
             while not self._stop.is_set() and engine.failure is None:
                 engine.poll_once(True)
                 if self._retry and time.monotonic() >= self._retry_at:
                     self._offer_retries()
             self._finish_run()
+        except _Handover:
+            return
+        except BaseException as exc:
+            self._error = exc
+        self._end_run()
+
+    def _end_run(self) -> None:
+        """Commit, leave the group, stop the workers; the run is over (on the poll thread)."""
+        try:
+            self._engine.close()
+        except BaseException as exc:
+            if self._error is None:
+                self._error = exc
         finally:
-            try:
-                engine.close()
-            finally:
-                self._shutdown_workers()
-                with self._lock:
-                    self._state = ConsumerState.CLOSED
-                self._done.set()
-        failure = self._failure or engine.failure
-        if failure is not None:
-            raise failure
+            self._shutdown_workers()
+            with self._lock:
+                self._state = ConsumerState.CLOSED
+            self._done.set()
 
     def _finish_run(self) -> None:
         """Drain (bounded) or stop: start nothing new once the deadline passed, then return."""
@@ -464,9 +570,10 @@ class KeyedConsumer:
                 )
 
     def _shutdown_workers(self) -> None:
-        if self._executor is not None:
-            # Handlers still running past the deadline keep their threads; don't wait for them.
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            # Handlers still running past the deadline keep their (daemon) threads; don't wait
+            # for them. Records handed over but not started yet are dropped by the start gate.
+            self._pool.shutdown(wait=False)
         if self._own_loop is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._own_loop.join(5)
@@ -474,79 +581,122 @@ class KeyedConsumer:
     # -- Processor protocol (called by the engine) ------------------------------------------
 
     def dispatch(self, messages: list[Message]) -> None:
+        self._engine.fetched += len(messages)
+        self._batch = messages  # where the watchdog finds the rest of it after a hand-over
+        self._dispatch(messages, 0)
+
+    def _dispatch(self, messages: list[Message], begin: int) -> None:
+        """Run or queue ``messages[begin:]`` (poll thread).
+
+        Raises:
+            _Handover: the watchdog took over an inline call of this thread; another thread
+                dispatches the rest of the batch.
+        """
         # The hot path: a few attribute reads per record, nothing allocated but the Record, no
         # lock for a record that runs inline; per-partition counters are written once per run
         # of records of one partition (a batch holds long runs of each).
-        engine = self._engine
-        states = engine.states
+        states = self._engine.states
         keyfn = self._key
         lanes = self._lanes
-        inline = self._inline_mode is not False and not self._is_async and self._scheduler is None
+        inline = self._can_inline
         auto = self._inline_mode is None
         if inline and auto and self._ewma > _INLINE_BELOW:
             inline = False  # measured slow: workers (their measurements may bring it back)
         handle = self._handle
         cap = self._max_concurrency
         perf = time.perf_counter
+        put = self._slot.append
+        take = self._slot.pop
         last_topic: str | None = None
         last_partition = -1
         st: PartitionState | None = None
-        sample = 0
+        # One inline call in eight is timed (the first one, and the one after a slow sample,
+        # always): enough to notice a handler turning slow within a batch, at an eighth of the
+        # clock's cost.
+        countdown = self._countdown
         seen = 0  # records of ``st`` in this run
         last_offset = -1
         done_inline = 0
-        engine.fetched += len(messages)
-        for msg in messages:
+        single = self._single_topic
+        new = object.__new__
+        for msg in itertools.islice(messages, begin, None) if begin else messages:
             if msg.error() is not None:
-                engine.message_error(msg.error())  # type: ignore[arg-type]
+                self._engine.message_error(msg.error())  # type: ignore[arg-type]
                 continue
             partition: int = msg.partition()  # type: ignore[assignment]
-            topic: str = msg.topic()  # type: ignore[assignment]
-            if partition != last_partition or topic != last_topic:
-                if st is not None and seen:
-                    st.position = last_offset + 1
-                    st.fetched += seen
+            # msg.topic() decodes the name on each call: with one topic it is not asked.
+            if partition != last_partition or (single is None and msg.topic() != last_topic):
+                if seen:
+                    self._account(st, seen, last_offset, 0)
+                topic: str = single or msg.topic()  # type: ignore[assignment]
                 st = states.get((topic, partition))
+                # A phase changes only in rebalance callbacks, which run inside consume() on
+                # this thread: checked once per run of records of one partition.
+                if st is not None and st.phase != ACTIVE:
+                    st = None
                 last_topic = topic
                 last_partition = partition
                 seen = 0
-            if st is None or st.phase != ACTIVE:
+            if st is None:
                 continue  # fetched just before its partition was revoked: the next owner has it
             offset: int = msg.offset()  # type: ignore[assignment]
             last_offset = offset
             seen += 1
-            record = Record(msg, offset, msg.key(), st)
-            k: Hashable = keyfn(record) if keyfn is not None else record.key
+            # Record(msg, offset, key, st) without the cost of a Python __init__ call.
+            record = new(Record)
+            record._msg = msg
+            record.offset = offset
+            record.key = key = msg.key()
+            record._state = st
+            k: Hashable = keyfn(record) if keyfn is not None else key
             if k is None:
-                k = record  # no key: a key of its own (identity-hashed)
+                record._lane = None
+                k = record  # no key: a key of its own (``_lane`` None: no reference cycle)
+            else:
+                record._lane = k
             if inline and k not in lanes and self._running < cap and self._accepting:
-                # One call in eight is timed: enough to notice a handler turning slow within a
-                # batch, at an eighth of the clock's cost.
-                sample += 1
-                started = perf() if auto and not sample & 7 else 0.0
+                countdown -= 1
+                started = perf() if auto and countdown <= 0 else 0.0
+                put(record)  # the watchdog may claim it while the handler runs
                 try:
                     result = handle(record)
                 except Exception as exc:
+                    try:
+                        take()
+                    except IndexError:
+                        self._taken(record, None, exc, st, seen, last_offset, done_inline)
                     self._adopt(record, k)
                     self._after(self._ended(record, exc))
                     continue
+                except BaseException as exc:
+                    try:
+                        take()
+                    except IndexError:
+                        self._fail(exc)
+                        self._taken(record, None, exc, st, seen, last_offset, done_inline)
+                    raise
+                try:
+                    take()
+                except IndexError:
+                    self._taken(record, result, None, st, seen, last_offset, done_inline)
                 if result is None or _plain(result):
                     if started:
-                        ewma = self._ewma = self._ewma + (perf() - started - self._ewma) * _EWMA
+                        d = min(perf() - started, _CLAMP)
+                        ewma = self._ewma = self._ewma + (d - self._ewma) * _EWMA
                         if ewma > _INLINE_BELOW:
                             inline = False
+                        countdown = 1 if d > _INLINE_BELOW else 8
                     if st.order:
                         st.order.append(offset)
                         st.done.add(offset)
                     else:
-                        st.committable = offset + 1
+                        st.committable = offset + 1  # nothing earlier outstanding: the prefix
                     done_inline += 1
                 else:
                     self._adopt(record, k)
                     self._attach(record, result)
                 continue
             start = None
-            record._lane = k
             with self._lock:
                 st.order.append(offset)
                 lane = lanes.get(k)
@@ -564,13 +714,51 @@ class KeyedConsumer:
                         self._queued += 1
             if start is not None:
                 self._start(start)
-        if st is not None and seen:
-            st.position = last_offset + 1
-            st.fetched += seen
-        self._inline_completed += done_inline
+        self._countdown = countdown
+        self._account(st, seen, last_offset, done_inline)
+
+    def _account(
+        self, st: PartitionState | None, seen: int, last_offset: int, done_inline: int
+    ) -> None:
+        """Add a dispatcher's counters (locked: after a hand-over two threads may write)."""
+        with self._lock:
+            if st is not None and seen:
+                st.fetched += seen
+                st.position = max(st.position, last_offset + 1)
+            self._inline_completed += done_inline
+
+    def _taken(
+        self,
+        record: Record,
+        result: Any,
+        error: BaseException | None,
+        st: PartitionState | None,
+        seen: int,
+        last_offset: int,
+        done_inline: int,
+    ) -> NoReturn:
+        """The watchdog took this inline call over: end it as a worker would, leave the loop.
+
+        The watchdog counted the record as running in its lane (under the lock, before the
+        call returned), so ending it here is what a worker does with its record.
+        """
+        self._account(st, seen, last_offset, done_inline)
+        if error is not None:
+            if isinstance(error, Exception):
+                self._after(self._ended(record, error))
+            else:  # SystemExit and the like: the consumer stops with it (see _fail)
+                self._after(self._ended(record, None, dropped=True))
+        elif result is None or _plain(result):
+            self._after(self._ended(record, None))
+        else:
+            self._attach(record, result)
+        raise _Handover
 
     def outstanding(self, states: Sequence[PartitionState]) -> int:
-        return sum(s.running for s in states)
+        # Handlers that started and have not ended. Records holding a slot but not started yet
+        # (about to start on a worker, queued in a scheduler, waiting for a key's lease) never
+        # start once their partition is revoking: the start gate drops them.
+        return sum(s.started for s in states)
 
     def pending(self) -> int:
         return self._running + self._queued  # records awaiting a retry hold slots
@@ -589,17 +777,75 @@ class KeyedConsumer:
     def stopping(self, drain: bool) -> None:
         self._request_close(drain)
 
+    # -- the watchdog of inline calls ------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Take over an inline call seen running at two looks ``_STALL`` apart (own thread)."""
+        seen: Record | None = None
+        while not self._done.wait(_STALL):
+            try:
+                current = self._slot[-1]
+            except IndexError:
+                seen = None
+                continue
+            if current is seen:
+                self._take_over()
+                seen = None
+            else:
+                seen = current
+
+    def _take_over(self) -> None:
+        with self._lock:
+            try:
+                record = self._slot.pop()  # the poll thread's own pop now fails: it lost
+            except IndexError:
+                return  # the call returned meanwhile
+            # The poll thread is inside the handler: its partition state is ours to touch.
+            st = record._state
+            st.order.append(record.offset)
+            self._lanes[self._key_of(record)] = deque()
+            self._running += 1
+            st.running += 1
+            st.started += 1
+            self._handovers += 1
+            # The average now says "slow": the next batches go to the workers until they
+            # measure the handler fast again.
+            self._ewma = max(self._ewma, 2 * _STALL)
+            batch = self._batch
+            self._slot = []  # the new poll thread's (the old one keeps popping the old list)
+        index = next(i for i, msg in enumerate(batch) if msg is record._msg)
+        self._log.warning(
+            "the handler of {} ran inline for over {:.0f} ms: the poll loop moves to a new "
+            "thread and the call finishes as a worker's (pass inline=False if it often blocks)",
+            record,
+            _STALL * 1000,
+        )
+        threading.Thread(
+            target=self._poll, args=((batch, index + 1),), name="rxcoord-kafka-poll", daemon=True
+        ).start()
+
     # -- running records -------------------------------------------------------------------
 
     def _adopt(self, record: Record, k: Hashable) -> None:
-        """Count an inline-started record as running in its (new) lane."""
+        """Count an inline-started record as running in its (new) lane (it has started)."""
         st = record._state
-        record._lane = k
         with self._lock:
             st.order.append(record.offset)
             self._lanes[k] = deque()
             self._running += 1
             st.running += 1
+            st.started += 1
+
+    def _admit(self, record: Record) -> bool:
+        """The start gate, right before a handler is called (any thread): False if the record
+        must not start (its partition is being revoked, or the consumer stops without a drain);
+        True after counting it as started, which a revoke then waits for."""
+        st = record._state
+        with self._lock:
+            if st.phase != ACTIVE or not self._accepting:
+                return False
+            st.started += 1
+            return True
 
     def _start(self, record: Record) -> None:
         """Run a record that holds a slot (counted in ``_running``), outside the lock."""
@@ -607,24 +853,34 @@ class KeyedConsumer:
             self._start_scheduled(record)
         elif self._is_async:
             try:
-                coro = self._handle(record)
-            except Exception as exc:
-                self._after(self._ended(record, exc))
+                loop = self._ensure_loop()
+                future = asyncio.run_coroutine_threadsafe(self._run_async(record), loop)
+            except RuntimeError as exc:  # the loop was closed under us
+                self._after(self._ended(record, exc, started=False))
                 return
-            self._attach(record, coro)
+            future.add_done_callback(functools.partial(self._async_done, record))
         else:
-            executor = self._executor
-            if executor is None:
+            pool = self._pool
+            if pool is None:
                 with self._lock:
-                    if self._executor is None:
-                        self._executor = concurrent.futures.ThreadPoolExecutor(
-                            self._max_concurrency, thread_name_prefix="rxcoord-kafka"
-                        )
-                    executor = self._executor
+                    if self._pool is None:
+                        self._pool = WorkerPool(self._max_concurrency, "rxcoord-kafka")
+                    pool = self._pool
             try:
-                executor.submit(self._work, record)
+                pool.submit(functools.partial(self._work, record))
             except RuntimeError:  # shut down after the drain deadline: the record is dropped
                 self._after(self._ended(record, None, dropped=True))
+
+    async def _run_async(self, record: Record) -> Any:
+        if not self._admit(record):
+            return _NOT_RUN
+        return await self._handle(record)
+
+    def _async_done(self, record: Record, future: concurrent.futures.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is None and future.result() is _NOT_RUN:
+            self._after(self._ended(record, None, dropped=True))
+        else:
+            self._ended_later(record, _future_error(future))
 
     def _work(self, record: Record | None) -> None:
         """A worker thread: run the record, then the next of its key while it may keep the slot."""
@@ -632,13 +888,17 @@ class KeyedConsumer:
         handle = self._handle
         perf = time.perf_counter
         while record is not None:
+            if not self._admit(record):
+                record = self._next_here(self._ended(record, None, dropped=True))
+                continue
             started = perf()
             try:
                 result = handle(record)
             except Exception as exc:
                 record = self._next_here(self._ended(record, exc))
                 continue
-            self._ewma += (perf() - started - self._ewma) * _EWMA
+            d = min(perf() - started, _CLAMP)
+            self._ewma += (d - self._ewma) * _EWMA  # racy across workers: an estimate
             if _plain(result):
                 record = self._next_here(self._ended(record, None))
             else:
@@ -679,10 +939,12 @@ class KeyedConsumer:
                 return
             future.add_done_callback(lambda f: ended(_future_error(f)))
 
-    def _ended_later(self, record: Record, error: BaseException | None) -> None:
+    def _ended_later(
+        self, record: Record, error: BaseException | None, *, started: bool = True
+    ) -> None:
         if error is not None and not isinstance(error, Exception):
             error = RuntimeError(f"handler of {record!r} was cancelled: {error!r}")
-        for successor in self._ended(record, error):
+        for successor in self._ended(record, error, started=started):
             self._start(successor)
 
     def _after(self, successors: list[Record]) -> None:
@@ -690,9 +952,19 @@ class KeyedConsumer:
             self._start(successor)
 
     def _ended(
-        self, record: Record, error: Exception | None, *, dropped: bool = False
+        self,
+        record: Record,
+        error: Exception | None,
+        *,
+        dropped: bool = False,
+        started: bool | None = None,
     ) -> list[Record]:
-        """A running record ended: report its offset, free its slot, pick who runs next.
+        """A record holding a slot ended: report its offset, free its slot, pick who runs next.
+
+        ``dropped``: it never started (its result is not counted, its offset not completed).
+        ``started``: whether its handler was admitted by the start gate (default: not
+        ``dropped``); an error of a record that never started (a scheduler refusing it) still
+        goes through ``on_error``.
 
         Returns the records that take slots now (to be started by the caller, outside the lock).
         """
@@ -703,6 +975,8 @@ class KeyedConsumer:
         with self._lock:
             self._running -= 1
             st.running -= 1
+            if (not dropped) if started is None else started:
+                st.started -= 1
             if dropped:
                 self._dropped += 1
             elif error is None:
@@ -773,7 +1047,7 @@ class KeyedConsumer:
     @staticmethod
     def _key_of(record: Record) -> Hashable:
         k: Hashable = record._lane
-        return k
+        return record if k is None else k
 
     def _apply_on_error(self, record: Record, error: Exception) -> Exception | None:
         """Apply ``on_error``; returns the error if the consumer must stop, else ``None``."""
@@ -806,7 +1080,32 @@ class KeyedConsumer:
 
     def _start_scheduled(self, record: Record) -> None:
         scheduler = self._scheduler
-        job: Callable[[], Any] = functools.partial(self._handle, record)
+        handle = self._handle
+        admitted = False
+        job: Callable[[], Any]
+        # The start gate runs inside the job: after the scheduler's admission and key guard
+        # (a key's lease), right before the handler, so a record whose partition was revoked
+        # while it waited there never starts.
+        if self._is_async:
+
+            async def job_async() -> Any:
+                nonlocal admitted
+                if not self._admit(record):
+                    return _NOT_RUN
+                admitted = True
+                return await handle(record)
+
+            job = job_async
+        else:
+
+            def job_sync() -> Any:
+                nonlocal admitted
+                if not self._admit(record):
+                    return _NOT_RUN
+                admitted = True
+                return handle(record)
+
+            job = job_sync
         k = self._key_of(record)
         # Our lanes already order the key; passing it on lets a coordinator with leases= hold
         # the key's lease across processes while the record runs.
@@ -820,7 +1119,7 @@ class KeyedConsumer:
         done = threading.Lock()
 
         def on_next(value: Any) -> None:
-            if not _plain(value) and done.acquire(blocking=False):
+            if value is not _NOT_RUN and not _plain(value) and done.acquire(blocking=False):
                 self._attach(record, value)
 
         def on_error(error: Exception) -> None:
@@ -828,11 +1127,14 @@ class KeyedConsumer:
                 if isinstance(error, TooManyTasks):
                     self._refused(record)
                 else:
-                    self._ended_later(record, error)
+                    self._ended_later(record, error, started=admitted)
 
         def on_completed() -> None:
             if done.acquire(blocking=False):
-                self._ended_later(record, None)
+                if admitted:
+                    self._ended_later(record, None)
+                else:
+                    self._after(self._ended(record, None, dropped=True))
 
         if self._is_async:
             loop = self._ensure_loop()

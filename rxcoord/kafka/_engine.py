@@ -11,7 +11,9 @@ close, never per record.
 The engine is driven by a *processor* (the keyed dispatcher of ``KeyedConsumer``, or the Rx
 source's emitter) that receives each batch and reports completions by adding offsets to their
 partition state's ``done`` set under ``lock``. Everything else runs on the one poll thread:
-rebalance callbacks, too, are called by librdkafka inside ``consume()`` on that thread.
+rebalance callbacks, too, are called by librdkafka inside ``consume()`` on that thread. (The
+poll thread is one thread at a time, not always the same one: ``KeyedConsumer`` moves the loop
+to a new thread when an inline handler blocks, handing over under ``lock``.)
 
 Backpressure keeps the consumer in its group: beyond ``max_in_flight`` uncommitted records the
 partitions holding more than their share are paused (``Consumer.pause``) while polling goes on,
@@ -41,10 +43,16 @@ class Processor(Protocol):
     """What the engine asks of the code that runs the records."""
 
     def dispatch(self, messages: list[Message]) -> None:
-        """Run or queue a batch (poll thread). Must skip messages ``engine.state_of`` rejects."""
+        """Run or queue a batch (poll thread). Skips messages of partitions not ``ACTIVE``.
+
+        May raise to leave the loop without housekeeping: ``KeyedConsumer`` does when another
+        thread took the poll role over (the engine then runs on that thread)."""
 
     def outstanding(self, states: Sequence[PartitionState]) -> int:
-        """Records of these states whose handling started and has not ended (under the lock)."""
+        """Records of these states whose handling started and has not ended (under the lock).
+
+        A revoke waits (``revoke_timeout``) for these; the processor must never start a record
+        of a state whose phase is no longer ``ACTIVE``."""
 
     def pending(self) -> int:
         """Records fetched and neither ended nor dropped, all partitions (under the lock)."""

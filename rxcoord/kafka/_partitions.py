@@ -28,8 +28,8 @@ REVOKED: Final = 2  # gone: completions are dropped
 
 
 class PartitionState:
-    """One assignment of one partition. Mutated by the poll thread, and by completions under the
-    consumer's lock (only ``done`` and ``running``)."""
+    """One assignment of one partition. Mutated by the poll thread, and under the consumer's lock
+    by completions (``done``, ``running``, ``started``) and the start gate (``started``)."""
 
     __slots__ = (
         "committable",
@@ -46,6 +46,7 @@ class PartitionState:
         "position",
         "requested",
         "running",
+        "started",
         "topic",
     )
 
@@ -63,7 +64,8 @@ class PartitionState:
         self.position = -1  # next offset to fetch (last fetched + 1)
         self.fetched = 0
         self.high = -1  # high watermark of the last fetch response (read by the poll thread)
-        self.running = 0  # records of this assignment whose handler started and has not ended
+        self.running = 0  # records of this assignment holding a slot (started or about to)
+        self.started = 0  # records whose handler passed the start gate and has not ended
         self.paused = False
 
     def advance(self) -> None:

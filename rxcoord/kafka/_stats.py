@@ -64,6 +64,8 @@ class ConsumerStats:
         paused_partitions: Partitions paused for backpressure.
         rebalances: Assignments and revocations seen.
         commits: Commit requests sent.
+        inline: Records whose handler ran and ended on the poll thread (see ``inline=``).
+        handovers: Inline calls that ran so long that the poll loop moved to a new thread.
         partitions: One entry per assigned partition.
     """
 
@@ -80,4 +82,6 @@ class ConsumerStats:
     paused_partitions: int
     rebalances: int
     commits: int
+    inline: int
+    handovers: int
     partitions: tuple[PartitionStats, ...]

@@ -6,6 +6,9 @@ and stopped at the end. ``RXCOORD_KAFKA_BOOTSTRAP=host:port`` points the suite a
 cluster instead. Without a broker the suite skips, except under ``RXCOORD_REQUIRE_BACKENDS=1``
 (CI), where it fails.
 
+The fleet tests also use a real Redis (``fleet_redis_url``: the lease suite's throwaway server,
+or ``RXCOORD_REDIS_URL``) for their run log and their leases.
+
 Each test gets topics and a consumer group of its own, so tests never see each other's records.
 Tansu quirks handled here (see the README's Kafka section): a group join takes about half the
 session timeout, so consumers use a short ``session.timeout.ms``; ListOffsets can report a wrong
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+from leases.conftest import start_redis  # the lease suite's throwaway redis-server
 
 from rxcoord.kafka._broker import BOOTSTRAP_ENV, NoBroker, tansu
 
@@ -50,6 +54,22 @@ def kafka_bootstrap() -> Iterator[str]:
         except NoBroker as exc:
             broker_unavailable(str(exc))
         yield bootstrap
+
+
+@pytest.fixture(scope="session")
+def fleet_redis_url() -> Iterator[str]:
+    """A real Redis for the fleet tests' run log and leases: RXCOORD_REDIS_URL, or a throwaway
+    redis-server on a free port (skips, or fails under RXCOORD_REQUIRE_BACKENDS=1, without
+    one)."""
+    given = os.environ.get("RXCOORD_REDIS_URL")
+    if given:
+        yield given
+        return
+    server = start_redis()
+    try:
+        yield server.url
+    finally:
+        server.remove()
 
 
 @pytest.fixture

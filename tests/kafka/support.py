@@ -249,22 +249,32 @@ class RunLog:
 
 
 def read_runs(logs: Path) -> list[Run]:
+    lines: list[str] = []
+    for path in sorted(logs.glob("*.log")):
+        # A read can overlap a write still being copied in: only the file's tail can be
+        # partial (writes append), so a last line without its newline is left for next time.
+        *complete, _partial = path.read_text().split("\n")
+        lines += complete
+    return parse_runs(lines)
+
+
+def parse_runs(lines: Iterable[str]) -> list[Run]:
+    """Runs from S/E lines (of files or of a Redis list, see ``tests/kafka/fleet.py``)."""
     starts: dict[tuple[str, str, int, int, str], float] = {}
     ended: set[tuple[str, str, int, int, str, float]] = set()
     runs: list[Run] = []
-    for path in sorted(logs.glob("*.log")):
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if not parts:
-                continue
-            kind, k, seq, worker = parts[:4]
-            partition, offset = int(parts[4]), int(parts[5])
-            if kind == "S":
-                starts[(k, seq, partition, offset, worker)] = float(parts[6])
-            else:
-                start, end = float(parts[6]), float(parts[7])
-                ended.add((k, seq, partition, offset, worker, start))
-                runs.append(Run(k, int(seq), worker, start, end, partition, offset))
+    for line in lines:
+        parts = line.split()
+        if not parts:
+            continue
+        kind, k, seq, worker = parts[:4]
+        partition, offset = int(parts[4]), int(parts[5])
+        if kind == "S":
+            starts[(k, seq, partition, offset, worker)] = float(parts[6])
+        else:
+            start, end = float(parts[6]), float(parts[7])
+            ended.add((k, seq, partition, offset, worker, start))
+            runs.append(Run(k, int(seq), worker, start, end, partition, offset))
     for (k, seq, partition, offset, worker), start in starts.items():
         if (k, seq, partition, offset, worker, start) not in ended:
             runs.append(Run(k, int(seq), worker, start, None, partition, offset))
