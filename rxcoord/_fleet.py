@@ -474,9 +474,10 @@ class FleetAdmission:
             if held < len(batch) - known:
                 with self._lock:
                     self._lost += len(batch) - known - held
-            # Our own waiters are woken by the release's notification, like everyone's (every
-            # backend notifies its own hub too): waking them here as well would double the
-            # steps under contention.
+            # Our own waiters step now rather than after the notification's trip through the
+            # store and the listener thread (it comes too; if our sweep is still going, the
+            # two coalesce into one more round).
+            self._wake_all()
 
     # -- waking ---------------------------------------------------------------------------------
 
