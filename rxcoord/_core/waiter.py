@@ -254,9 +254,12 @@ class Waiter(Generic[_T]):
         def wake() -> None:
             try:
                 if asyncio._get_running_loop() is loop:
-                    # Granted by a task of the same loop (the common asyncio case): no
-                    # self-pipe write (a system call) is needed to wake it.
-                    loop.call_soon(_resolve, future)
+                    # Granted by a task of the same loop (the common asyncio case): resolve
+                    # the future right here. Its callbacks (the task's wake-up) are scheduled
+                    # by the future itself, so this is one loop hop, not two, and no
+                    # self-pipe write (a system call).
+                    if not future.done():
+                        future.set_result(None)
                 else:
                     loop.call_soon_threadsafe(_resolve, future)
             except RuntimeError:  # the loop is closed: nobody will take the value

@@ -58,8 +58,8 @@ from .._core.timer import TimerHandle, call_later
 from .._core.waiter import Waiter
 from .._core.workers import WorkerPool, hand_off
 from .._errors import LeaseReleasedError
-from ._lease import Lease, entered_twice, timed_out, timeout_error
-from ._table import DONE, NEW, PENDING, Request
+from ._lease import MANY, Lease, entered_twice, timed_out, timeout_error
+from ._table import DONE, HELD, NEW, PENDING, Request
 
 if TYPE_CHECKING:
     from ._facade import KeyedLocks
@@ -252,10 +252,38 @@ class AsyncHold:
         """
         if self._lease is not None:
             raise entered_twice(self._lease, "hold_async()")
-        lease = Lease(self._locks, self._keys)
+        locks = self._locks
+        keys = self._keys
+        # Lease(...) inlined (see KeyedLocks.hold): a frame less on every entry.
+        lease: Lease = object.__new__(Lease)
+        lease._owner = locks
+        lease._keys = keys
+        lease._state = NEW
+        lease._timeout = None
+        lease._entered = False
         self._lease = lease
+        if len(keys) == 1:
+            key = lease._key = keys[0]
+            # The uncontended grant, inlined as in Lease.__enter__: a free key and no global
+            # request is one dict insert under the mutex - no waiter, no future, no await.
+            # (A try-lock, timeout=0, takes a free key the same way.)
+            mutex = locks._mutex
+            mutex.acquire()
+            try:
+                queues = locks._queues
+                seg = locks._tail
+                if key not in queues and seg is locks._first:
+                    queues[key] = lease
+                    seg.count += 1
+                    lease._segment = seg
+                    lease._state = HELD
+                    return lease
+            finally:
+                mutex.release()
+        else:
+            lease._key = MANY
         try:
-            return await acquire_async(self._locks, lease, self._timeout)
+            return await acquire_async(locks, lease, self._timeout)
         except BaseException:
             self._lease = None  # not granted (or released by the cancellation): nothing to exit
             raise
@@ -267,9 +295,28 @@ class AsyncHold:
         tb: TracebackType | None,
     ) -> None:
         lease = self._lease
-        if lease is not None:
-            self._lease = None
-            lease._owner._release_if_held(lease)
+        if lease is None:
+            return
+        self._lease = None
+        locks = lease._owner
+        key = lease._key
+        if key is not MANY:
+            # The release that grants nothing, inlined as in Lease.__exit__: nobody waits for
+            # the key and no global request exists (only then is the segment the tail).
+            mutex = locks._mutex
+            mutex.acquire()
+            try:
+                if lease._state == HELD and lease._segment is locks._tail:
+                    queues = locks._queues
+                    entry = queues.pop(key)
+                    if entry is lease:
+                        lease._segment.count -= 1
+                        lease._state = DONE
+                        return
+                    queues[key] = entry  # waiters: the general path below grants the next
+            finally:
+                mutex.release()
+        locks._release_if_held(lease)
 
 
 # -- Rx subscriptions ----------------------------------------------------------------------------
