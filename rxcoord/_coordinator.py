@@ -189,6 +189,10 @@ class _Task(abc.DisposableBase):
     def dispose(self) -> None:
         self.coordinator._cancel(self, None)
 
+    def run_sync(self) -> None:
+        """Run the sync job (on a worker): a bound method, no closure per job."""
+        self.coordinator._run_sync(self)
+
 
 class _Awaited(_Task, abc.ObserverBase[Any]):
     """``await execute(async_job)`` on a coordinator without an admission, all in one object.
@@ -308,6 +312,8 @@ _PURGE_AT_LEAST: Final = 64  # tombstones (cancelled queued tasks) that make a p
 # What _settle leaves to do outside the lock: state, async handle, timer cancel, idle, purge.
 _Cleanup = tuple[int, "asyncio.Future[Any] | _Streaming | _Awaited | None", Any, bool, bool]
 _NO_TOKEN: Final = object()  # a job that entered no key guard
+# Exact types of values a sync job returns that are neither an Observable nor an awaitable.
+_PLAIN: Final = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
 _KEYED: Final = object()  # tags user keys so they can never equal an unkeyed task's own key
 
 # What _accept decided for a new submission (or the error it refuses it with).
@@ -958,7 +964,7 @@ class TenantTaskCoordinator(Closeable):
             if task.is_async:
                 self._start_async(task)
             elif self._pool is not None:
-                self._pool.submit(lambda: self._run_sync(task))
+                self._pool.submit(task.run_sync)  # a bound method: no closure per job
             elif self._scheduler_loop is not None:
                 # AsyncIOScheduler is not thread-safe: hop onto its loop the thread-safe way.
                 self._scheduler_loop.call_soon_threadsafe(self._run_sync, task)
@@ -984,12 +990,14 @@ class TenantTaskCoordinator(Closeable):
                 value = job()
             except BaseException as exc:  # the job's error goes to its subscriber
                 error = exc
-            if error is None and isinstance(value, abc.ObservableBase):
+            if error is None and type(value) in _PLAIN:
+                pass  # a plain value (the common case): none of the checks below can match
+            elif error is None and isinstance(value, abc.ObservableBase):
                 # An Observable job: run it to its end (still under the guard and its slot),
                 # forwarding every item it emits.
                 self._continue_observable(task, value, token)
                 return
-            if error is None and (inspect.iscoroutine(value) or asyncio.isfuture(value)):
+            elif error is None and (inspect.iscoroutine(value) or asyncio.isfuture(value)):
                 # ``lambda: fetch(i)`` is an async job in disguise: await what it returned
                 # (still under the guard, which is exited when the awaitable is done).
                 self._continue_async(task, value, token)
