@@ -145,8 +145,8 @@ class _Task(abc.DisposableBase):
         "is_async",
         "job",
         "job_loop",
+        "key",
         "lane",
-        "lane_key",
         "loop",
         "observer",
         "settled",
@@ -169,7 +169,7 @@ class _Task(abc.DisposableBase):
     ) -> None:
         self.coordinator = coordinator
         self.job: Callable[[], Any] | None = job
-        self.lane_key: Hashable = self if key is None else (_KEYED, key)
+        self.key = key  # its ordering key; None: unkeyed (a solo item of the pipeline)
         self.timeout = timeout
         self.observer = observer
         self.loop = loop  # the subscriber's running loop, if any: results are delivered on it
@@ -225,7 +225,7 @@ class _Awaited(_Task, abc.ObserverBase[Any]):
         # _Task.__init__ inlined (keep the two in step): one frame less per awaited job.
         self.coordinator = coordinator
         self.job = job
-        self.lane_key = self if key is None else (_KEYED, key)
+        self.key = key
         self.timeout = timeout
         # ``observer`` is the object itself (the property below): no reference cycle, so a
         # finished task is freed by its reference count, not by the cycle collector.
@@ -314,7 +314,6 @@ _Cleanup = tuple[int, "asyncio.Future[Any] | _Streaming | _Awaited | None", Any,
 _NO_TOKEN: Final = object()  # a job that entered no key guard
 # Exact types of values a sync job returns that are neither an Observable nor an awaitable.
 _PLAIN: Final = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
-_KEYED: Final = object()  # tags user keys so they can never equal an unkeyed task's own key
 
 # What _accept decided for a new submission (or the error it refuses it with).
 _QUEUE: Final = 0  # counted as queued: push it into the pipeline
@@ -430,6 +429,9 @@ class TenantTaskCoordinator(Closeable):
             )
             admission = self._fleet.lane(name)
         self._admission = admission
+        # ``await`` of an async job: the awaiting task does it all (``_awaited``), except with
+        # an admission, whose ticket must come between the turn and the start. Bound once.
+        self._awaited_path = self._awaited if admission is None else None
         if on_idle is not None and not callable(on_idle):
             raise TypeError(f"on_idle must be callable or None, not {on_idle!r}")
         self._on_idle = on_idle
@@ -498,7 +500,7 @@ class TenantTaskCoordinator(Closeable):
         """
         return subscribe_serialized(
             None,
-            attrgetter("lane_key"),
+            attrgetter("key"),  # unkeyed tasks go in solo (push_solo): never looked up
             None,
             Observer(on_error=self._pipeline_fault),
             max_concurrent=self._max_concurrency,
@@ -617,9 +619,7 @@ class TenantTaskCoordinator(Closeable):
             timeout,
             self._timeout,
             overflow,
-            # ``await`` of an async job: the awaiting task does it all (not with an admission,
-            # whose ticket must come between the turn and the start)
-            self._awaited if self._admission is None else None,
+            self._awaited_path,
         )
 
     def close(self, wait: bool = True, *, drain: bool = False) -> None:
@@ -753,7 +753,7 @@ class TenantTaskCoordinator(Closeable):
         with self._lock:
             verdict = self._accept(task, wait, claim)
         if verdict is _QUEUE:
-            self._pipeline.push(task)
+            self._push(task)
         elif verdict is _CLAIMED:
             self._begin(task)
         elif verdict is _PARKED_ADMIT:
@@ -799,7 +799,9 @@ class TenantTaskCoordinator(Closeable):
             return self._too_many()
         self._tasks.add(task)
         if claim:
-            lane = self._pipeline.claim(task.lane_key)
+            key = task.key
+            pipeline = self._pipeline
+            lane = pipeline.claim_solo() if key is None else pipeline.claim(key)
             if lane is not None:
                 task.lane = lane
                 task.state = _RUNNING
@@ -807,6 +809,13 @@ class TenantTaskCoordinator(Closeable):
                 return _CLAIMED
         self._queued += 1
         return _QUEUE
+
+    def _push(self, task: _Task) -> None:
+        """Queue ``task`` in the pipeline: by its key, or solo (unkeyed: it only shares the cap)."""
+        if task.key is None:
+            self._pipeline.push_solo(task)
+        else:
+            self._pipeline.push(task)
 
     def _too_many(self) -> TooManyTasks:
         """Count a rejection; the error that says why (lock held)."""
@@ -852,7 +861,7 @@ class TenantTaskCoordinator(Closeable):
                     task.state = _QUEUED
                     self._waiting_count -= 1
                     self._queued += 1
-                self._pipeline.push(task)
+                self._push(task)
         except BaseException:
             with self._lock:
                 self._admitting = False
@@ -910,7 +919,7 @@ class TenantTaskCoordinator(Closeable):
         if drop:
             self._release_slot(task)
         elif admission is not None:
-            key = None if task.lane_key is task else task.lane_key[1]  # type: ignore[index]
+            key = task.key
             ticket = AdmissionTicket(admission.release, key)
             task.ticket = ticket
             ticket._waiter.bind(lambda: self._admitted(task))
@@ -983,10 +992,10 @@ class TenantTaskCoordinator(Closeable):
         token: Any = _NO_TOKEN
         if job is not None and not task.settled:  # not cancelled between hand-off and now
             try:
-                if guard is not None and task.lane_key is not task:
+                if guard is not None and task.key is not None:
                     # Keyed: enter the key guard too (blocking here is fine: this thread is
                     # the job's), so the key is exclusive beyond this coordinator as well.
-                    token = guard.enter(task.lane_key[1])  # type: ignore[index]
+                    token = guard.enter(task.key)
                 value = job()
             except BaseException as exc:  # the job's error goes to its subscriber
                 error = exc
@@ -1126,8 +1135,8 @@ class TenantTaskCoordinator(Closeable):
         """What an async job's run awaits: the job's awaitable, inside the key guard if any."""
         awaitable = job()
         guard = self._guard
-        if guard is not None and task.lane_key is not task and task.is_async:
-            awaitable = _guarded(guard, task.lane_key[1], awaitable)  # type: ignore[index]
+        if guard is not None and task.key is not None and task.is_async:
+            awaitable = _guarded(guard, task.key, awaitable)
         return awaitable
 
     def _abandon(self, task: _Task) -> None:
@@ -1212,7 +1221,7 @@ class TenantTaskCoordinator(Closeable):
             lock.release()
         if verdict is not _CLAIMED:
             if verdict is _QUEUE:
-                self._pipeline.push(task)  # the turn may come inside: ``hand`` sets ``turn``
+                self._push(task)  # the turn may come inside: ``hand`` sets ``turn``
             elif verdict is _PARKED_ADMIT:
                 self._admit_waiting()
             elif verdict is not _PARKED:
@@ -1261,8 +1270,8 @@ class TenantTaskCoordinator(Closeable):
                 self._end(task, None, None)
                 return await task.outcome()
             awaitable = run()
-            if self._guard is not None and task.lane_key is not task:
-                awaitable = _guarded(self._guard, task.lane_key[1], awaitable)  # type: ignore[index]
+            if self._guard is not None and task.key is not None:
+                awaitable = _guarded(self._guard, task.key, awaitable)
         except BaseException as exc:  # reported like any job error
             self._end(task, None, exc)
             return await task.outcome()
@@ -1319,11 +1328,10 @@ class TenantTaskCoordinator(Closeable):
             timer = task.timer
             task.timer = None
             task.job = None
-            task.handle = None  # (and lane_key below: the references to itself, for the GC)
+            task.handle = None  # its reference to itself: freed by refcount, not by the GC
             idle = self._queued + self._running == 0
         finally:
             lock.release()
-        task.lane_key = None
         if timer is not None:
             timer()
         self._release_slot(task)

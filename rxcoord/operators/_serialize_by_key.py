@@ -57,6 +57,7 @@ class _Finished(abc.DisposableBase):
 
 
 _FINISHED: Final = _Finished()
+_SOLO: Final = object()  # ``_Lane.key`` of a solo item (``push_solo``): not in ``_lanes``
 _COMPLETED: Final = object()  # the terminal notification "completed" in ``_Sink._terminal``
 
 
@@ -349,6 +350,45 @@ class _Sink(Generic[_T, _R]):
         finally:
             lock.release()
 
+    # Solo items have a key of their own that no other item can share (the coordinator's
+    # unkeyed tasks): they only share the cap, so they never enter ``_lanes``. That keeps the
+    # key table to real keys (no item can collide with a solo one, whatever its ``__eq__``)
+    # and saves a hash and two dict operations per item. Only with ``start=``: a solo lane
+    # holds no subscription for ``dispose`` to reach.
+
+    def push_solo(self, item: _T) -> None:
+        """``push`` for an item that shares no key with any other (see above)."""
+        assert self._direct is not None, "solo items need start="
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._done:
+                return
+            lane: _Lane[_T, _R] = _Lane(self, _SOLO, item)
+            if self._active >= self._cap:
+                self._ready.append(lane)
+                return
+            self._active += 1
+        finally:
+            lock.release()
+        self._start(lane)
+
+    def claim_solo(self) -> abc.ObserverBase[_R] | None:
+        """``claim`` for a solo item: a lane if a slot is free, else None (``push_solo`` it)."""
+        assert self._direct is not None, "solo items need start="
+        if self._active >= self._cap:  # a look without the lock first, as in ``claim``
+            return None
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._done or self._active >= self._cap:
+                return None
+            self._active += 1
+            lane: _Lane[_T, _R] = _Lane(self, _SOLO, None)  # type: ignore[arg-type]
+            return lane
+        finally:
+            lock.release()
+
     def purge(self, is_dead: Callable[[_T], bool]) -> int:
         """Drop queued items (never subscribed) for which ``is_dead`` is true; how many.
 
@@ -369,7 +409,8 @@ class _Sink(Generic[_T, _R]):
                         pending.popleft()
                         removed += 1
                     if not pending:
-                        del self._lanes[lane.key]  # the key has no work left
+                        if lane.key is not _SOLO:
+                            del self._lanes[lane.key]  # the key has no work left
                         continue
                     lane.item = pending.popleft()  # the next live item takes the lane's place
                 ready.append(lane)
@@ -393,7 +434,7 @@ class _Sink(Generic[_T, _R]):
             if self._done:
                 return
             self._source_done = True
-            if self._lanes:
+            if self._lanes or self._active:  # (solo lanes are active without being in _lanes)
                 return
             deliver = self._terminate(_COMPLETED)
         if deliver:
@@ -419,13 +460,13 @@ class _Sink(Generic[_T, _R]):
                     successor.pending = pending
                 self._lanes[lane.key] = successor
                 self._ready.append(successor)
-            else:
+            elif lane.key is not _SOLO:
                 del self._lanes[lane.key]
             ready = self._ready
             if ready and self._active < self._cap:
                 start = ready.popleft()
                 self._active += 1
-            elif self._source_done and not self._lanes:
+            elif self._source_done and not self._lanes and not self._active:
                 deliver = self._terminate(_COMPLETED)
         finally:
             lock.release()
