@@ -87,6 +87,7 @@ _T = TypeVar("_T")
 
 _get_running_loop: Final = asyncio._get_running_loop  # C fast path, no exception when none
 _current_task: Final = asyncio.current_task
+_OPEN: Final = CoordinatorState.OPEN  # an Enum member read through its class costs ~7x more
 
 # Task states
 _QUEUED: Final = 0
@@ -774,7 +775,7 @@ class TenantTaskCoordinator(Closeable):
         instead of going through the pipeline's queues.
         """
         self._submitted += 1
-        if self._state is not CoordinatorState.OPEN:
+        if self._state is not _OPEN:
             self._rejected += 1
             return CoordinatorClosed(f"coordinator {self._name!r} is closed")
         if task.is_async and task.job_loop is None:

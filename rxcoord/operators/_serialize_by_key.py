@@ -290,10 +290,6 @@ class _Sink(Generic[_T, _R]):
 
     # -- source side -------------------------------------------------------------------------
 
-    def push(self, item: _T) -> None:
-        """Emit ``item`` as the source would (see ``subscribe_serialized(None, ...)``)."""
-        self._on_source_next(item)
-
     def _on_source_next(self, item: _T) -> None:
         try:
             key = self._key_mapper(item)
@@ -323,6 +319,10 @@ class _Sink(Generic[_T, _R]):
         finally:
             lock.release()
         self._start(lane)
+
+    # Emit an item as the source would (see ``subscribe_serialized(None, ...)``): the source
+    # side itself, no call in between.
+    push = _on_source_next
 
     def claim(self, key: Hashable) -> abc.ObserverBase[_R] | None:
         """Start an item's turn now, without queuing it: its lane, or None (then ``push`` it).
