@@ -14,10 +14,19 @@ The shape is the Reactor original's, kept visible::
   trap a Subject's unlocked fan-out sets in reactivex 6.1.
 * **Ordering and the limit.** ``serialize_by_key`` orders tasks of equal key and caps active
   tasks at ``max_concurrency`` (a race-free ``flat_map(max_concurrent)``). Unkeyed tasks are
-  their own key, so they only share the cap.
-* **The work.** Each task *is* the inner Observable its turn subscribes: subscribing it drops
-  the task if it was cancelled while queued, or hands the job to the scheduler. That is one
-  inner subscription and one hand-off per job, no operator layers per task.
+  solo items with no key, so they only share the cap.
+* **The work.** ``serialize_by_key`` hands each task its turn directly (its ``start=`` seam:
+  the inner-Observable protocol without a subscription): the turn drops the task if it was
+  cancelled while queued, or hands the job to the scheduler; the job's end completes the
+  task's lane. A submission whose key is idle while a slot is free *claims* its turn at once,
+  without a pipeline item (exactly when the pipeline would have started it at once, so no
+  earlier job of its key is ever overtaken). Unkeyed tasks are solo items: they share the cap
+  and never enter the pipeline's key table.
+* **The awaited path.** ``await execute(async_job)`` on a coordinator without an admission is
+  done whole by the awaiting task (``_awaited``, one ``_Awaited`` per job): it submits, claims
+  its turn or waits for it on one future, runs the job inline and reads its outcome, with the
+  same counting, order, cap, timeouts and close as any subscription. With an admission it
+  takes the general path (``_start`` -> ticket -> ``_admitted``, then ``run_inline``).
 * **Admission and key guard.** Two seams, both optional and both given, never subclassed: an
   :class:`~rxcoord.Admission` asked for a permit when a task's turn comes (the fair-share gate
   of ``TenantScheduler``; a fleet-wide limit), and a :class:`~rxcoord.KeyGuard` a keyed job
