@@ -10,9 +10,14 @@ Contenders alternate within one run; medians of the repetitions and ratios are p
 3. ``KeyedLocks.hold_async`` uncontended (1,000 keys, one after another) vs a dict of
    ``asyncio.Lock`` (goal >= 0.5x), and contended (1,000 tasks on 16 keys, goal >= 1.0x).
 
+``--against DIR`` also runs every rxcoord contender against another source tree (a checkout
+or ``git archive`` of another commit, holding ``rxcoord/``): each repetition runs the same pair
+in two fresh processes, one importing rxcoord from each tree, alternating, and prints both
+trees' medians, their ratios to the hand-written baseline and new/old.
+
 Usage::
 
-    python benchmarks/bench_asyncio.py [--quick]
+    python benchmarks/bench_asyncio.py [--quick] [--against DIR]
 """
 
 from __future__ import annotations
@@ -20,10 +25,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 from rxcoord import KeyedLocks, TenantTaskCoordinator
 
@@ -224,12 +234,107 @@ def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str,
     ]
 
 
+# -- one run against another source tree ------------------------------------------------------
+
+# name -> (module, the call that runs the rxcoord contender, the call that runs its baseline);
+# ``{n}`` is the workload size. bench_coordinator.py adds its sync row here.
+PAIRS: dict[str, tuple[str, str, str]] = {
+    "keyed": ("bench_asyncio", "keyed_rxcoord({n}, 200)", "keyed_by_hand({n}, 200)"),
+    "unkeyed": ("bench_asyncio", "unkeyed_rxcoord({n})", "unkeyed_by_hand({n})"),
+    "hold uncontended": (
+        "bench_asyncio",
+        "hold_uncontended_rxcoord(1_000)",
+        "hold_uncontended_by_hand(1_000)",
+    ),
+    "hold contended": (
+        "bench_asyncio",
+        "hold_contended_rxcoord(1_000, 16)",
+        "hold_contended_by_hand(1_000, 16)",
+    ),
+}
+
+_PAIR_RUN = """
+import json, sys
+sys.path[:0] = [{tree!r}, {benchmarks!r}]
+import rxcoord
+assert rxcoord.__file__.startswith({tree!r}), rxcoord.__file__
+import {module} as bench
+bench.{ours}, bench.{theirs}  # warm up: first calls (imports, caches) are not the measure
+print(json.dumps([bench.{ours}, bench.{theirs}]))
+"""
+
+
+def against(
+    tree: Path, names: list[str], size: int, repeat: int
+) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """Run each named pair ``repeat`` times in fresh processes, this tree and ``tree``
+    alternating; per name and tree, the (rxcoord, baseline) figures of each repetition."""
+    here = Path(__file__).resolve().parent
+    trees = {"new": here.parent, "old": tree.resolve()}
+    runs: dict[str, dict[str, list[tuple[float, float]]]] = {
+        name: {which: [] for which in trees} for name in names
+    }
+    for _ in range(repeat):
+        for name in names:
+            module, ours, theirs = PAIRS[name]
+            for which, root in trees.items():
+                code = _PAIR_RUN.format(
+                    tree=str(root),
+                    benchmarks=str(here),
+                    module=module,
+                    ours=ours.format(n=size),
+                    theirs=theirs.format(n=size),
+                )
+                env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                done = subprocess.run(
+                    [sys.executable, "-c", code],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    check=True,
+                )
+                figures = json.loads(done.stdout)
+                runs[name][which].append((figures[0], figures[1]))
+    return runs
+
+
+def print_against(runs: dict[str, dict[str, list[tuple[float, float]]]], tree: Path) -> None:
+    """Medians per tree (rxcoord, baseline, median of the paired ratios) and new/old."""
+    print(f"\nthis tree (new) vs {tree} (old), fresh processes alternating, medians:")
+    print(
+        f"{'workload':<18} {'old':>10} {'old ratio':>10} {'new':>10} {'new ratio':>10} "
+        f"{'new/old':>8}"
+    )
+    for name, by_tree in runs.items():
+        row = []
+        for which in ("old", "new"):
+            pairs = by_tree[which]
+            row.append(
+                (
+                    statistics.median(o for o, _ in pairs),
+                    statistics.median(o / b for o, b in pairs),
+                )
+            )
+        (old, old_ratio), (new, new_ratio) = row
+        print(
+            f"{name:<18} {old:>10,.0f} {old_ratio:>9.2f}x {new:>10,.0f} {new_ratio:>9.2f}x "
+            f"{new / old:>7.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument(
+        "--against", type=Path, metavar="DIR", help="also compare with rxcoord from DIR"
+    )
     args = parser.parse_args()
     for name, ours, baseline, theirs, ratio, goal in bench_rows(args.quick):
         print(f"{name}: {ours} vs {baseline} {theirs} = {ratio} (goal {goal})")
+    if args.against is not None:
+        size, repeat = (5_000, 3) if args.quick else (20_000, 5)
+        runs = against(args.against, list(PAIRS), size, repeat)
+        print_against(runs, args.against)
 
 
 if __name__ == "__main__":

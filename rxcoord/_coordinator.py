@@ -14,10 +14,19 @@ The shape is the Reactor original's, kept visible::
   trap a Subject's unlocked fan-out sets in reactivex 6.1.
 * **Ordering and the limit.** ``serialize_by_key`` orders tasks of equal key and caps active
   tasks at ``max_concurrency`` (a race-free ``flat_map(max_concurrent)``). Unkeyed tasks are
-  their own key, so they only share the cap.
-* **The work.** Each task *is* the inner Observable its turn subscribes: subscribing it drops
-  the task if it was cancelled while queued, or hands the job to the scheduler. That is one
-  inner subscription and one hand-off per job, no operator layers per task.
+  solo items with no key, so they only share the cap.
+* **The work.** ``serialize_by_key`` hands each task its turn directly (its ``start=`` seam:
+  the inner-Observable protocol without a subscription): the turn drops the task if it was
+  cancelled while queued, or hands the job to the scheduler; the job's end completes the
+  task's lane. A submission whose key is idle while a slot is free *claims* its turn at once,
+  without a pipeline item (exactly when the pipeline would have started it at once, so no
+  earlier job of its key is ever overtaken). Unkeyed tasks are solo items: they share the cap
+  and never enter the pipeline's key table.
+* **The awaited path.** ``await execute(async_job)`` on a coordinator without an admission is
+  done whole by the awaiting task (``_awaited``, one ``_Awaited`` per job): it submits, claims
+  its turn or waits for it on one future, runs the job inline and reads its outcome, with the
+  same counting, order, cap, timeouts and close as any subscription. With an admission it
+  takes the general path (``_start`` -> ticket -> ``_admitted``, then ``run_inline``).
 * **Admission and key guard.** Two seams, both optional and both given, never subclassed: an
   :class:`~rxcoord.Admission` asked for a permit when a task's turn comes (the fair-share gate
   of ``TenantScheduler``; a fleet-wide limit), and a :class:`~rxcoord.KeyGuard` a keyed job
@@ -73,7 +82,7 @@ from ._core.timer import call_later
 from ._core.waiter import GRANTED, PENDING
 from ._core.workers import WorkerPool, hand_off
 from ._errors import CoordinatorClosed, LeaseLost, TooManyTasks
-from ._execution import AwaitObserver, execution
+from ._execution import AwaitObserver, await_submission, execution
 from ._fleet import FleetAdmission, FleetPermit, FleetStats, with_permit
 from ._key_guard import KeyGuard, LeaseKeyGuard
 from .operators._serialize_by_key import SerializedSubscription, subscribe_serialized
@@ -86,6 +95,8 @@ __all__ = ["CoordinatorStats", "TenantTaskCoordinator"]
 _T = TypeVar("_T")
 
 _get_running_loop: Final = asyncio._get_running_loop  # C fast path, no exception when none
+_current_task: Final = asyncio.current_task
+_OPEN: Final = CoordinatorState.OPEN  # an Enum member read through its class costs ~7x more
 
 # Task states
 _QUEUED: Final = 0
@@ -129,12 +140,13 @@ class CoordinatorStats:
         return self.queued + self.running
 
 
-class _Task(abc.ObservableBase[None], abc.DisposableBase):
+class _Task(abc.DisposableBase):
     """One accepted submission.
 
-    It is the inner Observable that ``serialize_by_key`` subscribes when the task's turn comes
-    (``subscribe`` starts the job, the job's return completes it and frees the slot) and the
-    Disposable its subscriber holds (``dispose`` cancels).
+    ``serialize_by_key`` hands it its turn (``TenantTaskCoordinator._turn``, the pipeline's
+    ``start``: the inner-Observable protocol without a subscription); the job's return
+    completes its lane and frees the slot. It is also the Disposable its subscriber holds
+    (``dispose`` cancels).
     """
 
     __slots__ = (
@@ -143,8 +155,8 @@ class _Task(abc.ObservableBase[None], abc.DisposableBase):
         "is_async",
         "job",
         "job_loop",
+        "key",
         "lane",
-        "lane_key",
         "loop",
         "observer",
         "settled",
@@ -167,7 +179,7 @@ class _Task(abc.ObservableBase[None], abc.DisposableBase):
     ) -> None:
         self.coordinator = coordinator
         self.job: Callable[[], Any] | None = job
-        self.lane_key: Hashable = self if key is None else (_KEYED, key)
+        self.key = key  # its ordering key; None: unkeyed (a solo item of the pipeline)
         self.timeout = timeout
         self.observer = observer
         self.loop = loop  # the subscriber's running loop, if any: results are delivered on it
@@ -176,44 +188,148 @@ class _Task(abc.ObservableBase[None], abc.DisposableBase):
         self.state = _QUEUED
         self.settled = False  # the subscriber got (or gave up) its outcome: the cancel signal
         self.lane: abc.ObserverBase[None] | None = None  # serialize_by_key's observer of us
-        # A running async job (its future) or Observable job (its _Streaming): cancel() stops it.
-        self.handle: asyncio.Future[Any] | _Streaming | None = None
+        # A running async job (its future), Observable job (its _Streaming) or awaited job
+        # (its _Awaited): cancel() stops it.
+        self.handle: asyncio.Future[Any] | _Streaming | _Awaited | None = None
         self.timer: Callable[[], None] | None = None  # cancels the pending timeout
         self.ticket: AdmissionTicket | None = None  # asked for, or holding, an admission permit
-
-    # -- as the pipeline's inner Observable ------------------------------------------------------
-
-    def subscribe(  # type: ignore[override]
-        self,
-        observer: abc.ObserverBase[None],
-        on_error: Any = None,
-        on_completed: Any = None,
-        *,
-        scheduler: abc.SchedulerBase | None = None,
-    ) -> abc.DisposableBase:
-        self.lane = observer
-        self.coordinator._start(self)
-        # Not ``self``: tearing the pipeline down must not look like the subscriber's cancel.
-        # close() and the fault handler settle every live task themselves, with a reason.
-        return _DETACHED
 
     # -- as the subscriber's Disposable ----------------------------------------------------------
 
     def dispose(self) -> None:
         self.coordinator._cancel(self, None)
 
+    def run_sync(self) -> None:
+        """Run the sync job (on a worker): a bound method, no closure per job."""
+        self.coordinator._run_sync(self)
 
-_DETACHED: Final = Disposable()
+
+class _Awaited(_Task, abc.ObserverBase[Any]):
+    """``await execute(async_job)`` on a coordinator without an admission, all in one object.
+
+    The awaiting task does the whole submission itself (``TenantTaskCoordinator._awaited``):
+    it submits, waits for its turn on one future (none if the turn is free at once), runs the
+    job inline and reads the outcome from here. So this object is the task, its subscriber
+    (the outcome lands in it) and its cancel handle (``cancel`` cancels the awaiting task
+    only while the job runs inside it, so a timeout or a close can never hit the awaiter's
+    own code before or after the job).
+
+    Everything here runs on the awaiter's loop thread: the coordinator delivers outcomes to a
+    subscriber on a loop through that loop, and hands turns (``_turn``) and cancels
+    (``_cancel_async``) over the same way. So none of it needs a lock. The ownership rule of
+    ``rxcoord._core.waiter`` holds, confined to that thread: a turn handed to an awaiter that
+    has left (``gone``) is given back at once (``_drop``), never lost; one that arrived before
+    the awaiter left is given back by the awaiter.
+    """
+
+    __slots__ = ("cancelled_run", "ended", "error", "future", "gone", "inside", "turn", "value")
+
+    def __init__(
+        self,
+        coordinator: TenantTaskCoordinator,
+        job: Callable[[], Any],
+        key: Hashable | None,
+        timeout: float | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        # _Task.__init__ inlined (keep the two in step): one frame less per awaited job.
+        self.coordinator = coordinator
+        self.job = job
+        self.key = key
+        self.timeout = timeout
+        # ``observer`` is the object itself (the property below): no reference cycle, so a
+        # finished task is freed by its reference count, not by the cycle collector.
+        self.loop = self.job_loop = loop
+        self.is_async = True
+        self.state = _QUEUED
+        self.settled = False
+        self.lane = None
+        self.handle = self
+        self.timer = None
+        self.ticket = None
+        self.turn = False  # its turn came (the lane is ours)
+        self.gone = False  # the awaiter left before taking its turn
+        self.ended = False  # the outcome has arrived
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.future: asyncio.Future[None] | None = None  # what the awaiter waits on, if it waits
+        self.inside: asyncio.Task[Any] | None = None  # the awaiting task, while the job runs
+        self.cancelled_run = False  # cancel() cancelled the job inside the awaiting task
+
+    @property
+    def observer(self) -> abc.ObserverBase[Any]:  # type: ignore[override]
+        return self  # the subscriber is the task itself
+
+    def hand(self) -> None:
+        """Its turn came (on the loop thread)."""
+        if self.gone:
+            self.coordinator._drop(self)
+            return
+        self.turn = True
+        self._wake()
+
+    def cancel(self) -> None:
+        """A timeout, close or fault cancels the job: the awaiting task, if the job runs in it."""
+        inside = self.inside
+        if inside is not None:
+            self.inside = None
+            self.cancelled_run = True
+            inside.cancel()
+
+    def _wake(self) -> None:
+        future = self.future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def on_next(self, value: Any) -> None:
+        self.value = value
+
+    def on_error(self, error: Exception) -> None:
+        if isinstance(error, StopIteration):  # as asyncio would refuse it from a future
+            wrapped = RuntimeError(f"the job raised {error!r}")
+            wrapped.__cause__ = error
+            self.error = wrapped
+        else:
+            self.error = error
+        self.ended = True
+        self._wake()
+
+    def on_completed(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def result(self) -> Any:
+        """The outcome that has arrived: the job's value, or raise its error."""
+        error = self.error
+        if error is not None:
+            self.error = None  # no reference cycle through the traceback
+            raise error
+        return self.value
+
+    async def outcome(self) -> Any:
+        """The outcome, once it arrives (a timeout or close decided elsewhere sends it later)."""
+        loop = self.loop
+        assert loop is not None
+        while not self.ended:
+            self.future = loop.create_future()
+            await self.future
+        self.future = None
+        return self.result()
+
+
 _is_settled: Final = attrgetter("settled")  # a queued task cancelled: the pipeline may drop it
 _PURGE_AT_LEAST: Final = 64  # tombstones (cancelled queued tasks) that make a purge worth it
 # What _settle leaves to do outside the lock: state, async handle, timer cancel, idle, purge.
-_Cleanup = tuple[int, "asyncio.Future[Any] | _Streaming | None", Any, bool, bool]
+_Cleanup = tuple[int, "asyncio.Future[Any] | _Streaming | _Awaited | None", Any, bool, bool]
 _NO_TOKEN: Final = object()  # a job that entered no key guard
-_KEYED: Final = object()  # tags user keys so they can never equal an unkeyed task's own key
+# Exact types of values a sync job returns that are neither an Observable nor an awaitable.
+_PLAIN: Final = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
 
-
-def _identity(task: _Task) -> _Task:
-    return task
+# What _accept decided for a new submission (or the error it refuses it with).
+_QUEUE: Final = 0  # counted as queued: push it into the pipeline
+_CLAIMED: Final = 1  # counted as running, its turn claimed from the pipeline: start it now
+_PARKED: Final = 2  # waiting for room (overflow="wait")
+_PARKED_ADMIT: Final = 3  # waiting for room behind others: move waiters in now
 
 
 class TenantTaskCoordinator(Closeable):
@@ -323,6 +439,9 @@ class TenantTaskCoordinator(Closeable):
             )
             admission = self._fleet.lane(name)
         self._admission = admission
+        # ``await`` of an async job: the awaiting task does it all (``_awaited``), except with
+        # an admission, whose ticket must come between the turn and the start. Bound once.
+        self._awaited_path = self._awaited if admission is None else None
         if on_idle is not None and not callable(on_idle):
             raise TypeError(f"on_idle must be callable or None, not {on_idle!r}")
         self._on_idle = on_idle
@@ -391,10 +510,11 @@ class TenantTaskCoordinator(Closeable):
         """
         return subscribe_serialized(
             None,
-            attrgetter("lane_key"),
-            _identity,
+            attrgetter("key"),  # unkeyed tasks go in solo (push_solo): never looked up
+            None,
             Observer(on_error=self._pipeline_fault),
             max_concurrent=self._max_concurrency,
+            start=self._turn,  # each task runs itself when its turn comes
         )
 
     # -- public API --------------------------------------------------------------------------
@@ -502,7 +622,15 @@ class TenantTaskCoordinator(Closeable):
                 number.
             ValueError: ``timeout`` is not positive, ``overflow`` not one of the two strings.
         """
-        return execution(self._submit, job, key, timeout, self._timeout, overflow)
+        return execution(
+            self._submit,
+            job,
+            key,
+            timeout,
+            self._timeout,
+            overflow,
+            self._awaited_path,
+        )
 
     def close(self, wait: bool = True, *, drain: bool = False) -> None:
         """Close the coordinator; idempotent.
@@ -626,47 +754,78 @@ class TenantTaskCoordinator(Closeable):
             loop = scheduler._loop
         job_loop = (self._scheduler_loop or loop) if is_async else None
         task = _Task(self, job, key, timeout, observer, loop, job_loop, is_async)
-        error: Exception | None = None
-        admit = False
+        # The fast lane (a turn claimed at once, no pipeline item) only where starting the job
+        # cannot run it right here: a scheduler that runs jobs synchronously would recurse
+        # through resubmitting subscribers, which the pipeline's trampoline turns into a loop.
+        claim = self._admission is None and (
+            is_async or self._pool is not None or self._scheduler_loop is not None
+        )
         with self._lock:
-            self._submitted += 1
-            if self._state is not CoordinatorState.OPEN:
-                self._rejected += 1
-                error = CoordinatorClosed(f"coordinator {self._name!r} is closed")
-            elif is_async and job_loop is None:
-                self._failed += 1
-                error = RuntimeError(
-                    "an async job needs a running asyncio loop: subscribe from asyncio code (e.g. "
-                    "`await coordinator.execute(job)`) or pass scheduler=AsyncIOScheduler(loop)"
-                )
-            elif self._waiters or self._admitting:
-                # Others wait for room already: FIFO, nobody overtakes them (per-key order
-                # is subscription order). A rejecting call is refused only when really full.
-                if not (self._wait if wait is None else wait) and (
-                    self._queued + self._running >= self._limit
-                ):
-                    error = self._too_many()
-                else:
-                    self._park(task)
-                    admit = True
-            elif self._queued + self._running >= self._limit:
-                if self._wait if wait is None else wait:
-                    self._park(task)
-                    return task  # admitted when room frees up
-                error = self._too_many()
-            else:
-                self._queued += 1
-                self._tasks.add(task)
-        if admit:
+            verdict = self._accept(task, wait, claim)
+        if verdict is _QUEUE:
+            self._push(task)
+        elif verdict is _CLAIMED:
+            self._begin(task)
+        elif verdict is _PARKED_ADMIT:
             self._admit_waiting()
-            return task
-        if error is not None:
+        elif verdict is not _PARKED:
+            error = cast(Exception, verdict)
             if isinstance(error, TooManyTasks):
                 self._log.info("rejected: {}", error)
             observer.on_error(error)
             return Disposable()
-        self._pipeline.push(task)
         return task
+
+    def _accept(self, task: _Task, wait: bool | None, claim: bool) -> int | Exception:
+        """Count a new submission and decide where it goes (lock held); an error refuses it.
+
+        ``claim``: a submission that may start at once takes its turn from the pipeline right
+        here (``serialize_by_key``'s ``claim``: its key idle, a slot free), counted as running,
+        instead of going through the pipeline's queues.
+        """
+        self._submitted += 1
+        if self._state is not _OPEN:
+            self._rejected += 1
+            return CoordinatorClosed(f"coordinator {self._name!r} is closed")
+        if task.is_async and task.job_loop is None:
+            self._failed += 1
+            return RuntimeError(
+                "an async job needs a running asyncio loop: subscribe from asyncio code (e.g. "
+                "`await coordinator.execute(job)`) or pass scheduler=AsyncIOScheduler(loop)"
+            )
+        if self._waiters or self._admitting:
+            # Others wait for room already: FIFO, nobody overtakes them (per-key order
+            # is subscription order). A rejecting call is refused only when really full.
+            if not (self._wait if wait is None else wait) and (
+                self._queued + self._running >= self._limit
+            ):
+                return self._too_many()
+            self._park(task)
+            return _PARKED_ADMIT
+        if self._queued + self._running >= self._limit:
+            if self._wait if wait is None else wait:
+                self._park(task)
+                return _PARKED  # admitted when room frees up
+            return self._too_many()
+        self._tasks.add(task)
+        if claim:
+            key = task.key
+            pipeline = self._pipeline
+            lane = pipeline.claim_solo() if key is None else pipeline.claim(key)
+            if lane is not None:
+                task.lane = lane
+                task.state = _RUNNING
+                self._running += 1
+                return _CLAIMED
+        self._queued += 1
+        return _QUEUE
+
+    def _push(self, task: _Task) -> None:
+        """Queue ``task`` in the pipeline: by its key, or solo (unkeyed: it only shares the cap)."""
+        if task.key is None:
+            self._pipeline.push_solo(task)
+        else:
+            self._pipeline.push(task)
 
     def _too_many(self) -> TooManyTasks:
         """Count a rejection; the error that says why (lock held)."""
@@ -712,7 +871,7 @@ class TenantTaskCoordinator(Closeable):
                     task.state = _QUEUED
                     self._waiting_count -= 1
                     self._queued += 1
-                self._pipeline.push(task)
+                self._push(task)
         except BaseException:
             with self._lock:
                 self._admitting = False
@@ -720,8 +879,39 @@ class TenantTaskCoordinator(Closeable):
 
     # -- running -------------------------------------------------------------------------------
 
+    def _turn(self, task: _Task, lane: abc.ObserverBase[None]) -> None:
+        """The pipeline's ``start``: ``task``'s turn came (on the thread that freed its slot)."""
+        task.lane = lane
+        if type(task) is not _Awaited:
+            self._start(task)
+            return
+        # Its awaiting task starts it, on its loop (``_awaited``).
+        loop = task.loop
+        assert loop is not None
+        if _get_running_loop() is loop:  # (task.hand() inlined: the common case)
+            if task.gone:
+                self._drop(task)
+                return
+            task.turn = True
+            future = task.future
+            if future is not None and not future.done():
+                future.set_result(None)
+            return
+        try:
+            loop.call_soon_threadsafe(task.hand)
+        except RuntimeError:  # the awaiter's loop is closed: nobody will take the turn
+            self._cancel(task, None)
+            self._drop(task)
+
+    def _drop(self, task: _Task) -> None:
+        """A turn came for a task settled while queued (it never starts): pass the slot on."""
+        with self._lock:
+            task.state = _DONE
+            self._tombstones = max(0, self._tombstones - 1)  # it has left the queue
+        self._release_slot(task)
+
     def _start(self, task: _Task) -> None:
-        """The task's turn came (serialize_by_key subscribed it): start the job, or drop it."""
+        """The task's turn came (serialize_by_key handed it over): start the job, or drop it."""
         admission = self._admission
         with self._lock:
             if task.settled:  # cancelled (or closed) while queued: it never starts
@@ -739,7 +929,7 @@ class TenantTaskCoordinator(Closeable):
         if drop:
             self._release_slot(task)
         elif admission is not None:
-            key = None if task.lane_key is task else task.lane_key[1]  # type: ignore[index]
+            key = task.key
             ticket = AdmissionTicket(admission.release, key)
             task.ticket = ticket
             ticket._waiter.bind(lambda: self._admitted(task))
@@ -793,7 +983,7 @@ class TenantTaskCoordinator(Closeable):
             if task.is_async:
                 self._start_async(task)
             elif self._pool is not None:
-                self._pool.submit(lambda: self._run_sync(task))
+                self._pool.submit(task.run_sync)  # a bound method: no closure per job
             elif self._scheduler_loop is not None:
                 # AsyncIOScheduler is not thread-safe: hop onto its loop the thread-safe way.
                 self._scheduler_loop.call_soon_threadsafe(self._run_sync, task)
@@ -812,19 +1002,21 @@ class TenantTaskCoordinator(Closeable):
         token: Any = _NO_TOKEN
         if job is not None and not task.settled:  # not cancelled between hand-off and now
             try:
-                if guard is not None and task.lane_key is not task:
+                if guard is not None and task.key is not None:
                     # Keyed: enter the key guard too (blocking here is fine: this thread is
                     # the job's), so the key is exclusive beyond this coordinator as well.
-                    token = guard.enter(task.lane_key[1])  # type: ignore[index]
+                    token = guard.enter(task.key)
                 value = job()
             except BaseException as exc:  # the job's error goes to its subscriber
                 error = exc
-            if error is None and isinstance(value, abc.ObservableBase):
+            if error is None and type(value) in _PLAIN:
+                pass  # a plain value (the common case): none of the checks below can match
+            elif error is None and isinstance(value, abc.ObservableBase):
                 # An Observable job: run it to its end (still under the guard and its slot),
                 # forwarding every item it emits.
                 self._continue_observable(task, value, token)
                 return
-            if error is None and (inspect.iscoroutine(value) or asyncio.isfuture(value)):
+            elif error is None and (inspect.iscoroutine(value) or asyncio.isfuture(value)):
                 # ``lambda: fetch(i)`` is an async job in disguise: await what it returned
                 # (still under the guard, which is exited when the awaitable is done).
                 self._continue_async(task, value, token)
@@ -953,8 +1145,8 @@ class TenantTaskCoordinator(Closeable):
         """What an async job's run awaits: the job's awaitable, inside the key guard if any."""
         awaitable = job()
         guard = self._guard
-        if guard is not None and task.lane_key is not task and task.is_async:
-            awaitable = _guarded(guard, task.lane_key[1], awaitable)  # type: ignore[index]
+        if guard is not None and task.key is not None and task.is_async:
+            awaitable = _guarded(guard, task.key, awaitable)
         return awaitable
 
     def _abandon(self, task: _Task) -> None:
@@ -1007,6 +1199,161 @@ class TenantTaskCoordinator(Closeable):
             return await observer.outcome()
         self._finish(task, value, None)
         return await observer.outcome()
+
+    async def _awaited(
+        self,
+        job: Callable[[], Any],
+        key: Hashable | None,
+        timeout: float | None,  # noqa: ASYNC109 - the job's, counted from its start
+        wait: bool | None,
+    ) -> Any:
+        """``await execute(async_job)`` without an admission: the whole submission, here.
+
+        Same contract as subscribing (counting, ``TooManyTasks`` or waiting for room, per-key
+        order, the cap, timeouts from the start, close), minus its objects: the awaiting task
+        submits, claims its turn at once when its key is idle and a slot is free (or waits for
+        it on one future), runs the job inline and takes the outcome from its ``_Awaited``. A
+        timeout, a close or a dispose cancels the awaiting task while the job runs in it (the
+        awaiter then gets ``TimeoutError`` / ``CoordinatorClosed``); cancelling the awaiting
+        task cancels the job, or withdraws it if it has not started.
+        """
+        loop = _get_running_loop()
+        assert loop is not None  # a coroutine runs on a loop
+        if self._scheduler_loop is not None and self._scheduler_loop is not loop:
+            # Its jobs run on the scheduler's loop: not inline in this one.
+            return await await_submission(self._submit, job, key, timeout, True, wait)
+        task = _Awaited(self, job, key, timeout, loop)
+        lock = self._lock
+        lock.acquire()  # explicit acquire/release: half a ``with`` block, on the hot path
+        try:
+            verdict = self._accept(task, wait, True)
+        finally:
+            lock.release()
+        if verdict is not _CLAIMED:
+            if verdict is _QUEUE:
+                self._push(task)  # the turn may come inside: ``hand`` sets ``turn``
+            elif verdict is _PARKED_ADMIT:
+                self._admit_waiting()
+            elif verdict is not _PARKED:
+                if isinstance(verdict, TooManyTasks):
+                    self._log.info("rejected: {}", verdict)
+                raise cast(Exception, verdict)
+            if not task.turn and not task.ended:
+                task.future = future = loop.create_future()
+                try:
+                    await future
+                except asyncio.CancelledError:
+                    # The awaiter leaves: a waiting or queued job is withdrawn and never runs;
+                    # a turn that came meanwhile is given back, as is one still on its way.
+                    task.future = None
+                    task.gone = True
+                    self._cancel(task, None)
+                    if task.turn:
+                        self._drop(task)
+                    raise
+                task.future = None
+            if not task.turn:  # an outcome instead: closed (or a pipeline fault) meanwhile
+                return task.result()
+            lock.acquire()
+            try:
+                start = not task.settled
+                if start:
+                    task.state = _RUNNING
+                    self._queued -= 1
+                    self._running += 1
+                else:  # cancelled (closed) after its turn came: it never starts
+                    task.state = _DONE
+                    self._tombstones = max(0, self._tombstones - 1)
+            finally:
+                lock.release()
+            if not start:
+                self._release_slot(task)
+                return await task.outcome()
+        # Its turn: run the job in this task. From here a timeout, close or dispose cancels
+        # this task (task.cancel) while the job runs in it, and only then.
+        current = _current_task(loop)
+        if task.timeout is not None:
+            self._arm_timeout(task, task.timeout)
+        run = task.job
+        try:
+            if run is None or task.settled:  # closed meanwhile
+                self._end(task, None, None)
+                return await task.outcome()
+            awaitable = run()
+            if self._guard is not None and task.key is not None:
+                awaitable = _guarded(self._guard, task.key, awaitable)
+        except BaseException as exc:  # reported like any job error
+            self._end(task, None, exc)
+            return await task.outcome()
+        task.inside = current
+        try:
+            value = await awaitable
+        except asyncio.CancelledError as exc:
+            task.inside = None
+            if not task.cancelled_run:  # the awaiting task itself was cancelled: so is the job
+                self._cancel(task, None)
+                self._end(task, None, None)
+                raise
+            # The cancellation was our means (a timeout, close or dispose), not the awaiter's
+            # wish - unless it was cancelled as well, which then wins.
+            assert current is not None
+            self._end(task, None, exc)
+            if current.uncancel():
+                raise
+            return await task.outcome()
+        except BaseException as exc:
+            task.inside = None
+            self._end(task, None, exc)
+        else:
+            task.inside = None
+            self._end(task, value, None)
+        if task.cancelled_run:  # the job swallowed our cancellation: take it back
+            assert current is not None
+            current.uncancel()
+        if task.ended:
+            return task.result()
+        return await task.outcome()
+
+    def _end(self, task: _Awaited, value: Any, error: BaseException | None) -> None:
+        """``_finish`` for an awaited job, in its awaiting task: the outcome goes straight in.
+
+        The same steps in the same order (free the slot, then deliver), minus the hops a
+        subscriber on another thread would need: this runs on the awaiter's loop thread.
+        """
+        lock = self._lock
+        lock.acquire()
+        try:
+            if task.state is _DONE:
+                return
+            task.state = _DONE
+            self._running -= 1
+            self._tasks.discard(task)
+            deliver = not task.settled
+            if deliver:
+                task.settled = True
+                if error is None:
+                    self._completed += 1
+                else:
+                    self._failed += 1
+            timer = task.timer
+            task.timer = None
+            task.job = None
+            task.handle = None  # its reference to itself: freed by refcount, not by the GC
+            idle = self._queued + self._running == 0
+        finally:
+            lock.release()
+        if timer is not None:
+            timer()
+        self._release_slot(task)
+        if idle and (self._on_idle is not None or self._idle_callbacks):
+            self._became_idle()
+        if deliver:
+            if error is None:
+                task.value = value
+                task.ended = True
+            else:
+                self._log.opt(exception=error).debug("job failed on {!r}", self._name)
+                task.on_error(cast(Exception, error))
 
     def _async_done(self, task: _Task, future: asyncio.Future[Any]) -> None:
         if future.cancelled():
@@ -1180,7 +1527,9 @@ class TenantTaskCoordinator(Closeable):
         self._release_slot(task)
         return idle
 
-    def _cancel_async(self, task: _Task, handle: asyncio.Future[Any] | _Streaming) -> None:
+    def _cancel_async(
+        self, task: _Task, handle: asyncio.Future[Any] | _Streaming | _Awaited
+    ) -> None:
         loop = task.job_loop
         if loop is None or _get_running_loop() is loop:
             handle.cancel()

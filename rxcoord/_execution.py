@@ -8,8 +8,11 @@ subscription on to a tenant's coordinator without going through ``Observable.sub
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
-from collections.abc import Callable, Generator, Hashable
+from collections.abc import Callable, Coroutine, Generator, Hashable
+from inspect import CO_COROUTINE
+from types import FunctionType
 from typing import Any, Final, Protocol, TypeVar, cast
 
 from reactivex import Observable, abc
@@ -17,7 +20,7 @@ from reactivex import Observable, abc
 from ._core.checks import check_deadline, check_hashable, check_overflow
 from ._core.waiter import Waiter
 
-__all__ = ["AwaitObserver", "Execution", "Submit", "execution"]
+__all__ = ["AwaitObserver", "Awaited", "Execution", "Submit", "await_submission", "execution"]
 
 _T = TypeVar("_T")
 
@@ -35,6 +38,18 @@ class Submit(Protocol):
     ) -> abc.DisposableBase: ...
 
 
+class Awaited(Protocol):
+    """``await`` of an async job, done whole by the awaiting task (the coordinator's fast path)."""
+
+    def __call__(
+        self,
+        job: Callable[[], Any],
+        key: Hashable | None,
+        timeout: float | None,
+        wait: bool | None,
+    ) -> Coroutine[Any, Any, Any]: ...
+
+
 class Execution(Observable[_T]):
     """The cold Observable ``execute`` returns: each subscription is one submission."""
 
@@ -46,6 +61,7 @@ class Execution(Observable[_T]):
         timeout: float | None,
         is_async: bool,
         wait: bool | None,
+        awaited: Awaited | None = None,
     ) -> None:
         # Not Observable.__init__: its RLock is for subclasses that use it (Subjects); this one
         # never does, and one lock per execute() call is measurable on the hot path.
@@ -56,6 +72,7 @@ class Execution(Observable[_T]):
         self._timeout = timeout
         self._is_async = is_async
         self._wait = wait  # overflow="wait" for this call (None: the coordinator's default)
+        self._awaited = awaited if is_async else None
 
     def _subscribe_core(
         self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
@@ -102,35 +119,48 @@ class Execution(Observable[_T]):
         Same outcome as reactivex's ``Observable.__await__``, minus its ``to_future`` operator
         layer: the outcome is delivered on this loop straight into a future, and an ``async
         def`` job whose turn comes runs inside the awaiting task itself (no task per job).
-        Cancelling the awaiting task cancels the job.
+        On a coordinator without an admission the awaiting task does the whole submission
+        (``TenantTaskCoordinator._awaited``). Cancelling the awaiting task cancels the job.
         """
-        return self._await().__await__()
+        awaited = self._awaited
+        if awaited is not None:
+            return awaited(self._job, self._key, self._timeout, self._wait).__await__()
+        return await_submission(
+            self._submit, self._job, self._key, self._timeout, self._is_async, self._wait
+        ).__await__()
 
-    async def _await(self) -> _T:
-        loop = asyncio.get_running_loop()
-        observer = AwaitObserver(loop)
-        subscription = self._submit(
-            self._job, self._key, self._timeout, self._is_async, self._wait, observer, None
-        )
-        task = observer.now  # an async job whose turn came at once: no future, no waiter
-        if task is None and not observer.ended:
-            # Its turn (or its outcome) comes later: wait on one future. The turn is handed
-            # over through the one waiter primitive, so a turn granted as the awaiting task is
-            # cancelled is given back (its slot freed), never lost.
-            turn: Waiter[Any] = Waiter(_give_back)
-            observer.turn = turn
-            future = observer.arm()
-            turn.bind(observer.wake)
-            try:
-                await future
-            except asyncio.CancelledError:
-                subscription.dispose()
-                turn.cancel()
-                raise
-            task = turn.take()
-        if task is not None:
-            return cast(_T, await task.coordinator.run_inline(task, observer))
-        return cast(_T, observer.result())
+
+async def await_submission(
+    submit: Submit,
+    job: Callable[[], Any],
+    key: Hashable | None,
+    timeout: float | None,  # noqa: ASYNC109 - the job's, counted from its start
+    is_async: bool,
+    wait: bool | None,
+) -> Any:
+    """Submit once for the awaiting task; the job's outcome (see ``Execution.__await__``)."""
+    loop = asyncio.get_running_loop()
+    observer = AwaitObserver(loop)
+    subscription = submit(job, key, timeout, is_async, wait, observer, None)
+    task = observer.now  # an async job whose turn came at once: no future, no waiter
+    if task is None and not observer.ended:
+        # Its turn (or its outcome) comes later: wait on one future. The turn is handed
+        # over through the one waiter primitive, so a turn granted as the awaiting task is
+        # cancelled is given back (its slot freed), never lost.
+        turn: Waiter[Any] = Waiter(_give_back)
+        observer.turn = turn
+        future = observer.arm()
+        turn.bind(observer.wake)
+        try:
+            await future
+        except asyncio.CancelledError:
+            subscription.dispose()
+            turn.cancel()
+            raise
+        task = turn.take()
+    if task is not None:
+        return await task.coordinator.run_inline(task, observer)
+    return observer.result()
 
 
 class AwaitObserver(abc.ObserverBase[Any]):
@@ -259,6 +289,7 @@ def execution(
     timeout: float | None,
     default_timeout: float | None,
     overflow: str | None = None,
+    awaited: Awaited | None = None,
 ) -> Execution[Any]:
     """Validate ``execute``'s arguments at the call and build its cold Observable."""
     wait = None if overflow is None else check_overflow(overflow)
@@ -267,4 +298,14 @@ def execution(
     if key is not None:
         check_hashable(key, "key")  # an unhashable key fails here, at the call
     timeout = default_timeout if timeout is None else check_deadline(timeout)
-    return Execution(submit, job, key, timeout, inspect.iscoroutinefunction(job), wait)
+    return Execution(submit, job, key, timeout, _is_async(job), wait, awaited)
+
+
+def _is_async(job: Callable[[], Any]) -> bool:
+    """``inspect.iscoroutinefunction(job)``, without its calls for the common shapes."""
+    # An ``async def`` function, or a partial of one: its code flag says so. Everything else
+    # (sync functions included, which may carry a coroutine mark on 3.12+) asks inspect.
+    target = job.func if type(job) is functools.partial else job
+    if type(target) is FunctionType and target.__code__.co_flags & CO_COROUTINE:
+        return True
+    return inspect.iscoroutinefunction(job)

@@ -243,3 +243,63 @@ async def test_a_hold_async_context_manager_is_reusable_after_a_failed_entry() -
     async with cm as lease:
         assert not lease.released
     assert len(locks) == 0
+
+
+# -- the inlined uncontended enter and exit of hold_async --------------------------------------
+
+
+async def test_a_free_key_waits_for_an_earlier_global_request_on_the_async_fast_path() -> None:
+    # The inlined grant takes a free key only when no global request is present: a key never
+    # seen before still queues behind a waiting acquire_all.
+    locks = KeyedLocks()
+    order: list[str] = []
+
+    async def everything() -> None:
+        async with locks.hold_all_async():
+            order.append("global")
+
+    async def fresh_key() -> None:
+        async with locks.hold_async("never-seen"):
+            order.append("fresh")
+
+    async with locks.hold_async("held"):
+        glob = asyncio.create_task(everything())
+        await until(lambda: locks.stats().global_waiting == 1)
+        fresh = asyncio.create_task(fresh_key())
+        await until(lambda: locks.stats().waiting == 2)
+        assert order == []
+    await asyncio.gather(glob, fresh)
+    assert order == ["global", "fresh"]
+    assert len(locks) == 0
+
+
+async def test_the_async_fast_exit_hands_the_key_to_a_waiter_and_a_released_lease_is_skipped() -> (
+    None
+):
+    locks = KeyedLocks()
+    got: list[str] = []
+
+    async def second() -> None:
+        async with locks.hold_async("k"):
+            got.append("second")
+
+    async with locks.hold_async("k"):
+        waiter = asyncio.create_task(second())
+        await until(lambda: locks.stats().waiting == 1)
+    await asyncio.wait_for(waiter, WAIT)  # the exit found a waiter: the general path granted it
+    async with locks.hold_async("k") as lease:
+        lease.release()  # released inside the block: the exit has nothing left to do
+    assert got == ["second"]
+    assert len(locks) == 0
+    assert locks.stats().held == 0
+
+
+async def test_a_hold_async_lease_may_be_released_from_another_thread_to_an_async_waiter() -> None:
+    locks = KeyedLocks()
+    holder = await locks.hold_async("k").__aenter__()
+    waiting = asyncio.create_task(locks.hold_async("k").__aenter__())
+    await until(lambda: locks.stats().waiting == 1)
+    await asyncio.to_thread(holder.release)  # the grant reaches the loop from another thread
+    lease = await asyncio.wait_for(waiting, WAIT)
+    lease.release()
+    assert len(locks) == 0

@@ -19,6 +19,7 @@ from reactivex.disposable import Disposable
 from reactivex.scheduler.scheduler import Scheduler
 
 from rxcoord import CoordinatorClosed, TenantScheduler, TenantTaskCoordinator, TooManyTasks
+from rxcoord._admission import FairShareGate
 
 WAIT = 10.0
 
@@ -554,7 +555,9 @@ async def test_awaited_async_jobs_run_in_the_awaiting_task() -> None:
 async def test_a_timeout_decided_before_the_inline_run_starts_still_raises_timeout() -> None:
     # The timer thread settles the task between the turn and the inline start: the awaiter
     # must get the TimeoutError that is on its way through the loop, not a CancelledError.
-    c = TenantTaskCoordinator(max_concurrency=1, timeout=0.01)
+    # (With an admission: there the timeout is armed when the permit comes, before the turn
+    # reaches the awaiting task. Without one the awaiting task arms it as the job starts.)
+    c = TenantTaskCoordinator(max_concurrency=1, timeout=0.01, admission=FairShareGate(4).lane(1.0))
     ran: list[str] = []
 
     async def job() -> None:

@@ -321,6 +321,91 @@ def test_purge_drops_queued_items_keeps_order_and_never_touches_active_ones() ->
     assert sub.purge(lambda m: True) == 0  # after the end: nothing, no error
 
 
+class Direct:
+    """Items started by ``start=`` (the coordinator's seam): turns recorded, ended by the test."""
+
+    def __init__(self, cap: int) -> None:
+        self.turns: list[Any] = []
+        self.lanes: dict[Any, abc.ObserverBase[None]] = {}
+        self.sub = subscribe_serialized(
+            None,
+            lambda item: item[0],
+            None,
+            reactivex.Observer(),
+            max_concurrent=cap,
+            start=self.start,
+        )
+
+    def start(self, item: Any, lane: abc.ObserverBase[None]) -> None:
+        self.turns.append(item)
+        self.lanes[item] = lane
+
+    def end(self, item: Any) -> None:
+        self.lanes.pop(item).on_completed()
+
+
+def test_start_hands_turns_directly_in_key_order_under_the_cap() -> None:
+    d = Direct(cap=2)
+    for item in [("a", 1), ("a", 2), ("b", 1), ("c", 1)]:
+        d.sub.push(item)
+    assert d.turns == [("a", 1), ("b", 1)]  # a2 behind a1, c1 over the cap
+    d.end(("a", 1))
+    assert d.turns == [("a", 1), ("b", 1), ("c", 1)]  # ready first: c1 before a2
+    d.end(("b", 1))
+    assert d.turns[-1] == ("a", 2)
+    d.end(("c", 1))
+    d.end(("a", 2))
+    assert d.lanes == {}
+
+
+def test_claim_starts_a_turn_only_for_an_idle_key_and_a_free_slot() -> None:
+    d = Direct(cap=2)
+    lane = d.sub.claim("a")
+    assert lane is not None
+    assert d.sub.claim("a") is None  # the key is busy with the claimed item
+    d.sub.push(("a", 2))  # queues behind the claimed turn
+    assert d.turns == []
+    d.sub.push(("b", 1))
+    assert d.turns == [("b", 1)]
+    assert d.sub.claim("c") is None  # no slot left: claimed a + b1
+    lane.on_completed()  # the claimed turn ends: a2 is next
+    assert d.turns == [("b", 1), ("a", 2)]
+    d.end(("b", 1))
+    d.end(("a", 2))
+    assert d.sub.claim("c") is not None
+
+
+def test_solo_items_share_only_the_cap_and_are_purged_like_any_queued_item() -> None:
+    class EqualsAll:  # a key that compares equal to anything (mock.ANY-like), same hash
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def __hash__(self) -> int:
+            return 0
+
+    d = Direct(cap=1)
+    weird = EqualsAll()
+    d.sub.push((weird, 1))
+    first = d.sub.claim_solo()
+    assert first is None  # the one slot is taken
+    solos = [("solo", i) for i in range(3)]
+    for item in solos:
+        d.sub.push_solo(item)
+    d.sub.push((weird, 2))
+    assert d.turns == [(weird, 1)]
+    assert d.sub.purge(lambda item: item == ("solo", 1)) == 1
+    d.end((weird, 1))
+    assert d.turns[-1] == ("solo", 0)  # solo items never merge with a key, however it compares
+    d.end(("solo", 0))
+    assert d.turns[-1] == ("solo", 2)  # solo 1 was purged
+    d.end(("solo", 2))
+    assert d.turns[-1] == (weird, 2)
+    d.end((weird, 2))
+    lane = d.sub.claim_solo()
+    assert lane is not None
+    lane.on_completed()
+
+
 def test_purge_after_dispose_is_a_noop() -> None:
     source: Subject[Msg] = Subject()
     sub = subscribe_serialized(

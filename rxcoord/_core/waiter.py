@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from typing import Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 __all__ = ["CANCELLED", "GRANTED", "PENDING", "TAKEN", "Waiter"]
 
@@ -227,6 +227,17 @@ class Waiter(Generic[_T]):
             return self.take()
         return self.take_or_cancel()
 
+    def arm_async(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """A future of ``loop`` resolved (on ``loop``) once the value is granted.
+
+        The building block of :meth:`wait_async` for a caller that awaits inline (one
+        coroutine less): await the future, then :meth:`take`; if the await raises, cancel the
+        waiter (a grant that raced with it is released). Call it on ``loop``'s thread.
+        """
+        future: asyncio.Future[None] = loop.create_future()
+        self.bind(_AsyncWake(self, loop, future))
+        return future
+
     async def wait_async(
         self,
         # A parameter, not the caller's asyncio.timeout(): at the deadline the wait may have to
@@ -248,21 +259,7 @@ class Waiter(Generic[_T]):
             asyncio.CancelledError: The task was cancelled, or the waiter was cancelled from
                 elsewhere after its wake-up.
         """
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            try:
-                if asyncio._get_running_loop() is loop:
-                    # Granted by a task of the same loop (the common asyncio case): no
-                    # self-pipe write (a system call) is needed to wake it.
-                    loop.call_soon(_resolve, future)
-                else:
-                    loop.call_soon_threadsafe(_resolve, future)
-            except RuntimeError:  # the loop is closed: nobody will take the value
-                self.cancel()
-
-        self.bind(wake)
+        future = self.arm_async(asyncio.get_running_loop())
         try:
             if timeout is not None:
                 # asyncio.wait, not asyncio.timeout: the future must survive the deadline, in
@@ -285,6 +282,37 @@ class Waiter(Generic[_T]):
     def __repr__(self) -> str:
         names = ("pending", "granted", "taken", "cancelled")
         return f"<Waiter {names[self._state]}>"
+
+
+class _AsyncWake:
+    """The wake-up of an asyncio wait: resolves its future on its loop.
+
+    One small object, not a closure (a function and three cells): every contended asyncio
+    lock wait allocates one.
+    """
+
+    __slots__ = ("future", "loop", "waiter")
+
+    def __init__(
+        self, waiter: Waiter[Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]
+    ) -> None:
+        self.waiter = waiter
+        self.loop = loop
+        self.future = future
+
+    def __call__(self) -> None:
+        future = self.future
+        try:
+            if asyncio._get_running_loop() is self.loop:
+                # Granted by a task of the same loop (the common asyncio case): resolve the
+                # future right here. Its callbacks (the task's wake-up) are scheduled by the
+                # future itself, so this is one loop hop, not two, and no self-pipe write.
+                if not future.done():
+                    future.set_result(None)
+            else:
+                self.loop.call_soon_threadsafe(_resolve, future)
+        except RuntimeError:  # the loop is closed: nobody will take the value
+            self.waiter.cancel()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -58,8 +58,8 @@ from .._core.timer import TimerHandle, call_later
 from .._core.waiter import Waiter
 from .._core.workers import WorkerPool, hand_off
 from .._errors import LeaseReleasedError
-from ._lease import Lease, entered_twice, timed_out, timeout_error
-from ._table import DONE, NEW, PENDING, Request
+from ._lease import MANY, Lease, entered_twice, timed_out, timeout_error
+from ._table import DONE, HELD, NEW, PENDING, Request
 
 if TYPE_CHECKING:
     from ._facade import KeyedLocks
@@ -252,13 +252,59 @@ class AsyncHold:
         """
         if self._lease is not None:
             raise entered_twice(self._lease, "hold_async()")
-        lease = Lease(self._locks, self._keys)
+        locks = self._locks
+        keys = self._keys
+        # Lease(...) inlined (see KeyedLocks.hold): a frame less on every entry.
+        lease: Lease = object.__new__(Lease)
+        lease._owner = locks
+        lease._keys = keys
+        lease._state = NEW
+        lease._timeout = None
+        lease._entered = False
         self._lease = lease
+        if len(keys) == 1:
+            key = lease._key = keys[0]
+            # The uncontended grant, inlined as in Lease.__enter__: a free key and no global
+            # request is one dict insert under the mutex - no waiter, no future, no await.
+            # (A try-lock, timeout=0, takes a free key the same way.)
+            mutex = locks._mutex
+            mutex.acquire()
+            try:
+                queues = locks._queues
+                seg = locks._tail
+                if key not in queues and seg is locks._first:
+                    queues[key] = lease
+                    seg.count += 1
+                    lease._segment = seg
+                    lease._state = HELD
+                    return lease
+            finally:
+                mutex.release()
+        else:
+            lease._key = MANY
+        timeout = self._timeout
+        if timeout is not None:
+            try:
+                return await acquire_async(locks, lease, timeout)
+            except BaseException:
+                self._lease = None  # not granted (or released by its cancellation)
+                raise
+        # acquire_async(locks, lease, None) and the wait inlined: two coroutines less per
+        # contended wait. (The same steps: enqueue, or wait on the waiter's future.)
+        with locks._mutex:
+            if locks._enqueue(lease):
+                return lease
+            waiter = lease._waiter = Waiter(_release_unwanted)
         try:
-            return await acquire_async(self._locks, lease, self._timeout)
+            await waiter.arm_async(asyncio.get_running_loop())
         except BaseException:
             self._lease = None  # not granted (or released by the cancellation): nothing to exit
+            leave(lease, waiter)  # cancels the waiter: a grant racing with this is released
             raise
+        if waiter.take() is None:  # cancelled from elsewhere after the wake-up
+            self._lease = None
+            raise asyncio.CancelledError()
+        return lease
 
     async def __aexit__(
         self,
@@ -267,9 +313,30 @@ class AsyncHold:
         tb: TracebackType | None,
     ) -> None:
         lease = self._lease
-        if lease is not None:
-            self._lease = None
-            lease._owner._release_if_held(lease)
+        if lease is None:
+            return
+        self._lease = None
+        locks = lease._owner
+        # _release_if_held(lease) inlined, with Lease.__exit__'s release that grants nothing:
+        # nobody waits for the key and no global request exists (only then is the segment
+        # the tail) - one dict delete. Otherwise the table's release, under the same mutex.
+        granted = None
+        mutex = locks._mutex
+        mutex.acquire()
+        try:
+            if lease._state == HELD:
+                key = lease._key
+                queues = locks._queues
+                if key is not MANY and lease._segment is locks._tail and queues[key] is lease:
+                    del queues[key]
+                    lease._segment.count -= 1
+                    lease._state = DONE
+                else:
+                    granted = locks._take_out(lease)
+        finally:
+            mutex.release()
+        if granted is not None:
+            notify(granted)
 
 
 # -- Rx subscriptions ----------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class _Finished(abc.DisposableBase):
 
 
 _FINISHED: Final = _Finished()
+_SOLO: Final = object()  # ``_Lane.key`` of a solo item (``push_solo``): not in ``_lanes``
 _COMPLETED: Final = object()  # the terminal notification "completed" in ``_Sink._terminal``
 
 
@@ -127,10 +128,11 @@ def serialize_by_key(
 def subscribe_serialized(
     source: Observable[_T] | None,
     key_mapper: Callable[[_T], Hashable],
-    mapper: Callable[[_T], abc.ObservableBase[_R]],
+    mapper: Callable[[_T], abc.ObservableBase[_R]] | None,
     observer: abc.ObserverBase[_R],
     *,
     max_concurrent: int | None = None,
+    start: Callable[[_T, abc.ObserverBase[_R]], None] | None = None,
 ) -> SerializedSubscription[_T, _R]:
     """``source.pipe(serialize_by_key(...)).subscribe(observer)`` for rxcoord's own layers.
 
@@ -138,9 +140,20 @@ def subscribe_serialized(
     items that have become pointless (the coordinator's tasks cancelled while queued), which an
     Rx subscription cannot express. With ``source=None`` the caller is the source and emits with
     ``push(item)`` (thread-safe, like every source of this operator): the coordinator's sink,
-    minus a ``Subject``'s per-item lock and observer-list copy.
+    minus a ``Subject``'s per-item lock and observer-list copy; ``claim(key)`` then starts an
+    item's turn without queuing it at all, when its key is idle and a slot is free.
+
+    ``start`` replaces ``mapper`` for a caller whose items run themselves: when an item's turn
+    comes, ``start(item, lane)`` is called instead of subscribing ``mapper(item)``, and the
+    item's work ends its turn by calling ``lane.on_completed()`` (or ``on_error``) exactly
+    once, as its inner Observable would. That is the inner-Observable protocol without a
+    subscription: no mapper call, no type checks, no disposable to keep (disposing the
+    subscription cannot stop such an item; its owner cancels it).
     """
-    sink = _Sink(observer, None, key_mapper, mapper, _check_cap(max_concurrent))
+    if mapper is None and start is None:
+        raise TypeError("subscribe_serialized: pass a mapper or a start function")
+    sink = _Sink(observer, None, key_mapper, mapper or _no_mapper, _check_cap(max_concurrent))
+    sink._direct = start
     if source is None:
         return sink  # the caller is the source: it calls ``push`` (no Subject in between)
     if type(source) is Subject:
@@ -153,6 +166,10 @@ def subscribe_serialized(
     else:
         sink.run(source)
     return sink
+
+
+def _no_mapper(item: Any) -> Any:  # pragma: no cover - only with ``start``, which bypasses it
+    raise AssertionError("items of this subscription are started directly")
 
 
 def _check_callable(name: str, value: object) -> None:
@@ -206,9 +223,11 @@ class _Lane(abc.ObserverBase[_R], Generic[_T, _R]):
 
 
 class _Trampoline(threading.local):
-    """Per-thread queue of lanes to subscribe; set only while a thread is subscribing."""
+    """Per-thread queue of lanes to subscribe, and whether the thread is subscribing."""
 
-    queue: deque[Any] | None = None
+    def __init__(self) -> None:  # once per thread: one queue each, reused for every start
+        self.active = False
+        self.queue: deque[Any] = deque()
 
 
 class _Sink(Generic[_T, _R]):
@@ -217,6 +236,7 @@ class _Sink(Generic[_T, _R]):
     __slots__ = (
         "_active",
         "_cap",
+        "_direct",
         "_done",
         "_emitting",
         "_key_mapper",
@@ -245,6 +265,7 @@ class _Sink(Generic[_T, _R]):
         self._scheduler = scheduler
         self._key_mapper = key_mapper
         self._mapper = mapper
+        self._direct: Callable[[_T, abc.ObserverBase[_R]], None] | None = None
         self._cap = cap
         self._lock = threading.Lock()
         self._lanes: dict[Hashable, _Lane[_T, _R]] = {}
@@ -269,10 +290,6 @@ class _Sink(Generic[_T, _R]):
 
     # -- source side -------------------------------------------------------------------------
 
-    def push(self, item: _T) -> None:
-        """Emit ``item`` as the source would (see ``subscribe_serialized(None, ...)``)."""
-        self._on_source_next(item)
-
     def _on_source_next(self, item: _T) -> None:
         try:
             key = self._key_mapper(item)
@@ -280,7 +297,10 @@ class _Sink(Generic[_T, _R]):
         except Exception as exc:
             self.fail(exc)
             return
-        with self._lock:
+        # Explicit acquire/release on the two per-item paths: half the cost of a ``with``.
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._done:
                 return
             lane = self._lanes.get(key)
@@ -296,7 +316,78 @@ class _Sink(Generic[_T, _R]):
                 self._ready.append(lane)
                 return
             self._active += 1
+        finally:
+            lock.release()
         self._start(lane)
+
+    # Emit an item as the source would (see ``subscribe_serialized(None, ...)``): the source
+    # side itself, no call in between.
+    push = _on_source_next
+
+    def claim(self, key: Hashable) -> abc.ObserverBase[_R] | None:
+        """Start an item's turn now, without queuing it: its lane, or None (then ``push`` it).
+
+        Granted only when ``key`` has no item active or queued and a slot is free, i.e. exactly
+        when ``push`` would have started the item at once; the caller then runs the item's
+        work itself and ends the turn with the lane's ``on_completed()``. Items of ``key``
+        pushed meanwhile queue behind it, as behind any active item. Nothing is ever
+        overtaken: a key with queued items is not idle, and a free slot means no ready lane
+        is waiting for one (lanes wait in ``_ready`` only while the cap is reached).
+        """
+        # A look without the lock first: under a backlog (the common refusal) it saves the
+        # lock. Stale is harmless: a refusal just means ``push``, which decides under the lock.
+        if self._active >= self._cap or key in self._lanes:
+            return None
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._done or self._active >= self._cap or key in self._lanes:
+                return None
+            lane: _Lane[_T, _R] = _Lane(self, key, None)  # type: ignore[arg-type]
+            self._lanes[key] = lane
+            self._active += 1
+            return lane
+        finally:
+            lock.release()
+
+    # Solo items have a key of their own that no other item can share (the coordinator's
+    # unkeyed tasks): they only share the cap, so they never enter ``_lanes``. That keeps the
+    # key table to real keys (no item can collide with a solo one, whatever its ``__eq__``)
+    # and saves a hash and two dict operations per item. Only with ``start=``: a solo lane
+    # holds no subscription for ``dispose`` to reach.
+
+    def push_solo(self, item: _T) -> None:
+        """``push`` for an item that shares no key with any other (see above)."""
+        assert self._direct is not None, "solo items need start="
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._done:
+                return
+            lane: _Lane[_T, _R] = _Lane(self, _SOLO, item)
+            if self._active >= self._cap:
+                self._ready.append(lane)
+                return
+            self._active += 1
+        finally:
+            lock.release()
+        self._start(lane)
+
+    def claim_solo(self) -> abc.ObserverBase[_R] | None:
+        """``claim`` for a solo item: a lane if a slot is free, else None (``push_solo`` it)."""
+        assert self._direct is not None, "solo items need start="
+        if self._active >= self._cap:  # a look without the lock first, as in ``claim``
+            return None
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._done or self._active >= self._cap:
+                return None
+            self._active += 1
+            lane: _Lane[_T, _R] = _Lane(self, _SOLO, None)  # type: ignore[arg-type]
+            return lane
+        finally:
+            lock.release()
 
     def purge(self, is_dead: Callable[[_T], bool]) -> int:
         """Drop queued items (never subscribed) for which ``is_dead`` is true; how many.
@@ -318,7 +409,8 @@ class _Sink(Generic[_T, _R]):
                         pending.popleft()
                         removed += 1
                     if not pending:
-                        del self._lanes[lane.key]  # the key has no work left
+                        if lane.key is not _SOLO:
+                            del self._lanes[lane.key]  # the key has no work left
                         continue
                     lane.item = pending.popleft()  # the next live item takes the lane's place
                 ready.append(lane)
@@ -342,7 +434,7 @@ class _Sink(Generic[_T, _R]):
             if self._done:
                 return
             self._source_done = True
-            if self._lanes:
+            if self._lanes or self._active:  # (solo lanes are active without being in _lanes)
                 return
             deliver = self._terminate(_COMPLETED)
         if deliver:
@@ -353,7 +445,9 @@ class _Sink(Generic[_T, _R]):
     def lane_completed(self, lane: _Lane[_T, _R]) -> None:
         start: _Lane[_T, _R] | None = None
         deliver = False
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._done:
                 return
             finished = lane.sub  # its subscription, if subscribe() has returned already
@@ -366,13 +460,16 @@ class _Sink(Generic[_T, _R]):
                     successor.pending = pending
                 self._lanes[lane.key] = successor
                 self._ready.append(successor)
-            else:
+            elif lane.key is not _SOLO:
                 del self._lanes[lane.key]
-            if self._ready and self._active < self._cap:
-                start = self._ready.popleft()
+            ready = self._ready
+            if ready and self._active < self._cap:
+                start = ready.popleft()
                 self._active += 1
-            elif self._source_done and not self._lanes:
+            elif self._source_done and not self._lanes and not self._active:
                 deliver = self._terminate(_COMPLETED)
+        finally:
+            lock.release()
         if finished is not None:
             finished.dispose()
         if start is not None:
@@ -384,24 +481,43 @@ class _Sink(Generic[_T, _R]):
         """Subscribe ``lane``'s inner; on re-entry from a synchronous inner, defer to the loop."""
         trampoline = self._trampoline
         queue = trampoline.queue
-        if queue is not None:
+        if trampoline.active:
             queue.append(lane)
             return
-        trampoline.queue = queue = deque()
+        trampoline.active = True
+        direct = self._direct
         try:
             while True:
-                self._subscribe_inner(lane)
+                if direct is None:
+                    self._subscribe_inner(lane)
+                elif not self._done:  # (_subscribe_inner's direct case, inlined)
+                    item = lane.item
+                    lane.item = None
+                    try:
+                        direct(item, lane)  # type: ignore[arg-type]
+                    except Exception as exc:
+                        if lane.sub is _FINISHED or not self.fail(exc):
+                            raise
                 if not queue:
                     return
                 lane = queue.popleft()
         finally:
-            trampoline.queue = None
+            trampoline.active = False
+            queue.clear()  # left over only if a start raised: those lanes die with the sink
 
     def _subscribe_inner(self, lane: _Lane[_T, _R]) -> None:
         if self._done:  # torn down while this lane waited in the trampoline
             return
         item = lane.item
         lane.item = None
+        direct = self._direct
+        if direct is not None:  # the item runs itself and completes the lane (see ``start``)
+            try:
+                direct(item, lane)  # type: ignore[arg-type]
+            except Exception as exc:
+                if lane.sub is _FINISHED or not self.fail(exc):
+                    raise
+            return
         try:
             inner: Any = self._mapper(item)  # type: ignore[arg-type]
             if not isinstance(inner, abc.ObservableBase):
