@@ -1320,28 +1320,11 @@ class TenantTaskCoordinator(Closeable):
         The same steps in the same order (free the slot, then deliver), minus the hops a
         subscriber on another thread would need: this runs on the awaiter's loop thread.
         """
-        lock = self._lock
-        lock.acquire()
-        try:
+        with self._lock:
             if task.state is _DONE:
                 return
-            task.state = _DONE
-            self._running -= 1
-            self._tasks.discard(task)
-            deliver = not task.settled
-            if deliver:
-                task.settled = True
-                if error is None:
-                    self._completed += 1
-                else:
-                    self._failed += 1
-            timer = task.timer
-            task.timer = None
-            task.job = None
-            task.handle = None  # its reference to itself: freed by refcount, not by the GC
+            deliver, timer = self._done(task, error)
             idle = self._queued + self._running == 0
-        finally:
-            lock.release()
         if timer is not None:
             timer()
         self._release_slot(task)
@@ -1374,20 +1357,7 @@ class TenantTaskCoordinator(Closeable):
         with self._lock:
             if task.state is _DONE:
                 return
-            task.state = _DONE
-            self._running -= 1
-            self._tasks.discard(task)
-            deliver = not task.settled
-            if deliver:
-                task.settled = True
-                if error is None:
-                    self._completed += 1
-                else:
-                    self._failed += 1
-            timer = task.timer
-            task.timer = None
-            task.job = None
-            task.handle = None
+            deliver, timer = self._done(task, error)
             ticket = task.ticket
             task.ticket = None
             idle = self._queued + self._running == 0
@@ -1406,6 +1376,27 @@ class TenantTaskCoordinator(Closeable):
             else:
                 self._log.opt(exception=error).debug("job failed on {!r}", self._name)
                 self._deliver(task, None, error)
+
+    def _done(
+        self, task: _Task, error: BaseException | None
+    ) -> tuple[bool, Callable[[], None] | None]:
+        """Lock held: a running task ends - counters and the task's references; whether its
+        outcome is to be delivered, and its timeout's cancel."""
+        task.state = _DONE
+        self._running -= 1
+        self._tasks.discard(task)
+        deliver = not task.settled
+        if deliver:
+            task.settled = True
+            if error is None:
+                self._completed += 1
+            else:
+                self._failed += 1
+        timer = task.timer
+        task.timer = None
+        task.job = None
+        task.handle = None  # an awaited task's reference to itself: freed by refcount, not GC
+        return deliver, timer
 
     def _release_slot(self, task: _Task) -> None:
         lane = task.lane

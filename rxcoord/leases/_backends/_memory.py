@@ -143,9 +143,7 @@ class MemoryLeaseStore:
                 record.released = True
             else:
                 del self._records[name]
-            hubs = list(self._hubs)
-        for hub in hubs:
-            hub.notify(name)
+        self._notify(name)
         return True
 
     # -- fleet permits (the reference table of _permits.py, under the store's lock) -------------
