@@ -65,3 +65,21 @@ def test_hand_off_runs_elsewhere_and_logs_failures() -> None:
     hand_off(record)
     assert done.wait(10)
     assert seen[0].startswith("rxcoord-deliver")
+
+
+def test_jobs_that_wait_on_each_other_always_find_a_worker() -> None:
+    # Up to max_workers jobs in flight each get a thread, also after many finished jobs (the
+    # workers count their ends without a lock: the count may lag, never lead).
+    pool = WorkerPool(3, "rxcoord-pool-chain")
+    done = threading.Semaphore(0)
+    for _ in range(500):  # one at a time: one or two workers are all these need
+        pool.submit(done.release)
+        assert done.acquire(timeout=10)
+    for _ in range(20):
+        first, second, third = threading.Event(), threading.Event(), threading.Event()
+        pool.submit(lambda a=first, b=second: (a.wait(10), b.set()))  # type: ignore[misc]
+        pool.submit(lambda b=second, c=third: (b.wait(10), c.set()))  # type: ignore[misc]
+        pool.submit(first.set)
+        assert third.wait(10), "a job waited behind a busy pool"
+    assert pool.threads <= 3
+    pool.shutdown()

@@ -3,11 +3,12 @@
 Why not ``ThreadPoolExecutor``? Each ``submit`` builds a ``Future`` and a work item and takes a
 semaphore, costs we pay per job for a result channel the coordinator does not use (it delivers
 results itself). This pool is a ``SimpleQueue`` of callables and at most ``max_workers`` threads,
-started lazily when no idle worker is free, so a job costs one C-level queue hand-off.
+started lazily when every started one is busy, so a job costs one C-level queue hand-off.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -18,7 +19,13 @@ __all__ = ["WorkerPool", "hand_off"]
 
 
 class WorkerPool:
-    """At most ``max_workers`` daemon threads running submitted callables in FIFO order."""
+    """At most ``max_workers`` daemon threads running submitted callables in FIFO order.
+
+    A worker that finishes a job takes no lock: it only stores a count (see ``_finished``).
+    With a lock there, every job's end contended with the next submit and with the other
+    workers' ends, and on a loaded GIL those hand-offs queued up into lock convoys that halved
+    the pool's throughput (bench_coordinator's sync row).
+    """
 
     def __init__(self, max_workers: int, name: str) -> None:
         self._max_workers = max_workers
@@ -26,7 +33,14 @@ class WorkerPool:
         self._queue: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._idle = 0  # workers waiting for work that no submit has claimed yet
+        self._submitted = 0  # under the lock: exact
+        # Jobs finished, as last stored by a worker: ``next(self._finishes)`` is atomic, but two
+        # workers may store their counts out of order, so this is never above the truth. Jobs
+        # in flight are then never under-counted, and a submit never finds too few workers (a
+        # job waiting on another job must never sit behind a busy pool); at worst it starts a
+        # thread a moment early, still at most ``max_workers``.
+        self._finishes = itertools.count(1)
+        self._finished = 0
         self._closed = False
 
     def submit(self, fn: Callable[[], object]) -> None:
@@ -35,23 +49,28 @@ class WorkerPool:
         Raises:
             RuntimeError: the pool was shut down.
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._closed:
                 raise RuntimeError(f"worker pool {self._name!r} is shut down")
-            if self._idle:
-                self._idle -= 1  # claim a waiting worker: it will take this item
-            elif len(self._threads) < self._max_workers:
+            self._submitted = submitted = self._submitted + 1
+            threads = self._threads
+            if submitted - self._finished > len(threads) and len(threads) < self._max_workers:
                 thread = threading.Thread(
-                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+                    target=self._work, name=f"{self._name}-{len(threads)}", daemon=True
                 )
-                self._threads.append(thread)
+                threads.append(thread)
                 thread.start()
             # Under the lock: shutdown() queues its exit markers under it too, so a job can
             # never land behind them and stay unrun. (SimpleQueue.put never blocks.)
             self._queue.put(fn)
+        finally:
+            lock.release()
 
     def _work(self) -> None:
         get = self._queue.get
+        finishes = self._finishes
         while True:
             fn = get()
             if fn is None:
@@ -60,8 +79,7 @@ class WorkerPool:
                 fn()
             except BaseException:  # the callables handle their own errors; this is a bug
                 logger.opt(exception=True).critical("worker {}: job runner failed", self._name)
-            with self._lock:
-                self._idle += 1
+            self._finished = next(finishes)
 
     @property
     def threads(self) -> int:
