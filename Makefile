@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv demo test test-slow test-all lint format bench clean
 
 venv: $(STAMP)
 
@@ -23,8 +23,16 @@ lint: venv
 	$(BIN)/ruff format --check rxcoord tests examples benchmarks
 	$(BIN)/mypy --strict rxcoord tests examples benchmarks
 
+# Everything but the stress tests marked slow, on two pytest workers (each starts its own
+# throwaway servers); a few minutes on 2 cores. CI runs the slow ones after it.
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not slow" -n 2
+
+# The stress tests (real processes, kill -9, SIGSTOP, brokers): one at a time, they time things.
+test-slow: venv
+	$(BIN)/python -m pytest -m slow
+
+test-all: test test-slow
 
 format: venv
 	$(BIN)/ruff check --fix rxcoord tests examples benchmarks

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import defaultdict
 from multiprocessing.queues import Queue
+from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event as Flag
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def node(
     index: int,
     url: str,
     options: dict[str, str],
-    start: float,
+    start_at: Synchronized[float],
+    go: Flag,
     period: float,
     slots: int,
     stall_slot: int,
@@ -52,6 +54,11 @@ def node(
 ) -> None:
     """One node: fire the job at each slot time; run it only under the lease."""
     with leases_from_url(url, **options) as leases:
+        # The schedule starts once every node is up (starting processes can take seconds on a
+        # busy machine, and a node firing late would be a different story: see at_least_for).
+        events.put(("ready", index, -1, 0, ""))
+        go.wait(60)
+        start = start_at.value
         for slot in range(slots):
             time.sleep(max(0.0, start + slot * period - time.time()))
 
@@ -95,7 +102,8 @@ def main() -> int:
         context = multiprocessing.get_context("spawn")
         events: Queue[Event] = context.Queue()
         takeover = context.Event()
-        start = time.time() + 1.5  # time for the processes to start
+        go = context.Event()
+        start_at = context.Value("d", 0.0)
         stall_slot = 2
         workers = [
             context.Process(
@@ -104,7 +112,8 @@ def main() -> int:
                     i,
                     url,
                     options,
-                    start,
+                    start_at,
+                    go,
                     args.period,
                     args.slots,
                     stall_slot,
@@ -116,6 +125,11 @@ def main() -> int:
         ]
         for worker in workers:
             worker.start()
+        for _ in workers:
+            kind, *_ = events.get(timeout=60)
+            assert kind == "ready", kind
+        start_at.value = time.time() + 0.2
+        go.set()
 
         # The report store: accepts a write only if its token is not older than one it has seen.
         guard = FencingGuard()
