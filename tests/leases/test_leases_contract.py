@@ -485,6 +485,36 @@ def test_names_up_to_the_documented_limit_are_stored(leases: LeaseProvider) -> N
     lease.release()
 
 
+# Braces decide a key's hash slot on a Redis Cluster (its first "{...}"), so names made of them
+# are where a key layout breaks: each must stay a lease of its own, with its whole life cycle.
+AWKWARD_NAMES = ["}", "}x", "#}x", "{", "{}", "{a}", "a}b", "x{y}z", "#", " ", "%s", "\\", "é"]
+
+
+def test_names_with_braces_and_other_awkward_characters_are_leases_of_their_own(
+    backend: Backend, name: str
+) -> None:
+    holder, other = backend.new(), backend.new()
+    names = [name + "/" + awkward for awkward in AWKWARD_NAMES] + [
+        awkward + name for awkward in AWKWARD_NAMES
+    ]
+    leases = [holder.try_acquire(n, 10.0, at_least_for=0.2) for n in names]  # all at once
+    assert all(lease is not None for lease in leases), names
+    for n, lease in zip(names, leases, strict=True):
+        assert lease is not None
+        assert other.try_acquire(n, 10.0) is None, n  # taken, and by that name only
+        found = other.holder(n)
+        assert found is not None, n
+        assert found.token == lease.token, n
+        lease.release()  # inside at_least_for: the released marker, under the name's key
+    first = "}x" + name  # a waiter on a name that starts with "}", woken by its marker's end
+    woken = other.acquire(first, 5.0, timeout=10.0)
+    assert woken.token > leases[len(AWKWARD_NAMES) + 1].token  # type: ignore[union-attr]
+    woken.release()
+    wait_until(
+        lambda: all(other.holder(n) is None for n in names), what="the released markers to end"
+    )
+
+
 def test_extend_beyond_the_stores_range_is_refused_at_the_call(
     leases: LeaseProvider, name: str
 ) -> None:

@@ -2,10 +2,11 @@
 
 Keys:
 
-* ``<prefix>{name}`` - the lease: value ``token`` (or ``token:least_until_ms`` when
-  ``at_least_for`` > 0), expiring after ``at_most_for`` (``PX``): Redis's clock decides expiry,
-  and an expired or released lease leaves no key behind. Released inside ``at_least_for``, it
-  becomes ``r:token`` until then.
+* ``<prefix>{name}`` - the lease (on a cluster, ``<prefix>}{#name}`` for a name that starts
+  with ``}``, which would leave ``{name}`` an empty hash tag): value ``token`` (or
+  ``token:least_until_ms`` when ``at_least_for`` > 0), expiring after ``at_most_for``
+  (``PX``): Redis's clock decides expiry, and an expired or released lease leaves no key
+  behind. Released inside ``at_least_for``, it becomes ``r:token`` until then.
 * the token sequence, store-wide rather than per name, so that no key of a name outlives its
   lease and tokens still increase per name: ``<prefix>seq`` on a server; on a cluster, where
   one script may only touch keys of one hash slot, one ``<prefix>seq:{tag}`` per slot in use
@@ -657,7 +658,7 @@ class RedisLeases(LeaseProvider):
     def _store_try_grant(
         self, name: str, at_most_for: float, at_least_for: float
     ) -> tuple[int, float]:
-        key = f"{self.prefix}{{{name}}}"
+        key = self._key(name)
         least = _ms(at_least_for) if at_least_for > 0 else 0
         value = int(
             self._eval(
@@ -679,7 +680,7 @@ class RedisLeases(LeaseProvider):
     def _store_extend(
         self, name: str, token: int, at_most_for: float, *, timeout: float | None = None
     ) -> bool:
-        key = f"{self.prefix}{{{name}}}"
+        key = self._key(name)
         return bool(
             self._eval(
                 _EXTEND,
@@ -696,7 +697,7 @@ class RedisLeases(LeaseProvider):
     def _store_release(
         self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
     ) -> bool:
-        key = f"{self.prefix}{{{name}}}"
+        key = self._key(name)
         return bool(
             self._eval(
                 _RELEASE,
@@ -704,11 +705,22 @@ class RedisLeases(LeaseProvider):
                 1,
                 key,
                 token,
-                key + ":released",
+                self._channel(name),
                 action="release a lease",
                 timeout=timeout,
             )
         )
+
+    def _key(self, name: str) -> str:
+        """The lease key of ``name`` (see the module docstring's "Keys")."""
+        if self.cluster and name[:1] == "}":
+            # A cluster hashes a key by its first "{...}", and "{}" (empty) means the whole
+            # key: the lease key and the legacy counter beside it would land in two slots, which
+            # one script may not touch. A key of its own namespace ("}" never follows the
+            # prefix otherwise) with the tag "#" keeps them in one slot. Only on a cluster,
+            # where such names never worked: a server keeps the layout its leases already use.
+            return f"{self.prefix}}}{{#{name}}}"
+        return f"{self.prefix}{{{name}}}"
 
     def _sequence_key(self, key: str) -> str:
         """The token sequence for the lease key ``key``: store-wide, or per slot on a cluster."""
@@ -719,7 +731,7 @@ class RedisLeases(LeaseProvider):
         return f"{self.prefix}seq:{{{_tag_for_slot(key_slot(key.encode()))}}}"
 
     def _store_holder(self, name: str) -> tuple[int, float, bool] | None:
-        key = f"{self.prefix}{{{name}}}"
+        key = self._key(name)
         reply = self._eval(_HOLDER, _HOLDER_SHA, 1, key, action="read a lease")
         if not reply:
             return None
