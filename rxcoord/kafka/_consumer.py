@@ -70,10 +70,11 @@ import time
 import types
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Final, Literal, NoReturn
+from typing import Any, Final, Literal, NoReturn, cast
 
 from confluent_kafka import Message
 from reactivex import abc as rx_abc
+from reactivex import from_future
 
 from rxcoord import TenantScheduler, TenantTaskCoordinator, TooManyTasks
 from rxcoord._core.workers import WorkerPool
@@ -1103,7 +1104,13 @@ class KeyedConsumer:
                 if not self._admit(record):
                     return _NOT_RUN
                 admitted = True
-                return handle(record)
+                result = handle(record)
+                if isinstance(result, concurrent.futures.Future):
+                    # The record's work is the future's: as an Observable the scheduler runs
+                    # it to its end, so its slot and its key's lease last until it is done
+                    # (a plain value would free both at once, while the work goes on).
+                    return from_future(cast("asyncio.Future[Any]", result))
+                return result
 
             job = job_sync
         k = self._key_of(record)

@@ -14,6 +14,7 @@ from reactivex.scheduler import ThreadPoolScheduler
 import rxcoord.kafka
 from rxcoord import TenantScheduler, TenantTaskCoordinator, serialize_by_key
 from rxcoord.kafka import KeyedConsumer, Record, commit_records, kafka_records
+from rxcoord.leases import MemoryLeases, MemoryLeaseStore
 
 from .support import (
     Cluster,
@@ -141,6 +142,42 @@ def test_sync_handlers_returning_futures(cluster: Cluster) -> None:
         running = Running(consumer)
         wait_for(all_done(cluster, produced), 60, "all records")
         assert running.stop() is None
+    check_invariants(produced, cluster.runs(), duplicates=False)
+
+
+def test_a_future_returned_under_a_lease_scheduler_keeps_the_keys_lease_until_it_ends(
+    cluster: Cluster,
+) -> None:
+    topic = cluster.topic(1)
+    produced = cluster.produce(topic, [("K", i) for i in range(5)])
+    group = cluster.group()
+    log = RunLog(cluster.log_for("w0"), "w0")
+    store = MemoryLeaseStore()
+    watcher = MemoryLeases(store)  # another process's view of the store
+    held_while_working: list[bool] = []
+    handle = logging_handler(log)
+
+    def work(record: Record) -> None:
+        time.sleep(0.05)  # long after the handler returned the future
+        held_while_working.append(watcher.holder("keys:b'K'") is not None)
+        handle(record)
+
+    with (
+        ThreadPoolExecutor(2) as pool,
+        TenantTaskCoordinator(
+            max_concurrency=4, max_queue_size=100, name="keys", leases=MemoryLeases(store)
+        ) as coordinator,
+    ):
+        consumer = KeyedConsumer(
+            cluster.config(group), [topic], lambda r: pool.submit(work, r),
+            scheduler=coordinator, commit_interval=0.1,
+        )  # fmt: skip
+        running = Running(consumer)
+        wait_for(all_done(cluster, produced), 60, "all records")
+        assert running.stop() is None
+    # The record's work is the future's: the key's lease covers it, as it covers a handler
+    # that does its work before returning.
+    assert held_while_working == [True] * 5
     check_invariants(produced, cluster.runs(), duplicates=False)
 
 
