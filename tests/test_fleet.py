@@ -121,6 +121,8 @@ def test_bad_fleet_arguments_raise_at_construction(tmp_path: Any) -> None:
         TenantScheduler(4, name="x", fleet=provider, permit_at_most_for=0)
     with pytest.raises(TypeError, match="tenant"):
         FleetAdmission(provider, "x", 2).lane(7)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tenant_limit"):
+        FleetAdmission(provider, "x", 2).lane("t", tenant_limit=0)
     provider.close()
 
 
