@@ -1,6 +1,7 @@
 """PostgreSQL grants and releases through ``DeadlineConnection.run_prepared`` (libpq's calls,
 statements prepared under names of ours): the same errors, retries and values as psycopg's
-cursor path they replace."""
+cursor path they replace; and the ``waited`` column those statements need, added to older tables
+without asking a role that shares the table for ownership."""
 
 from __future__ import annotations
 
@@ -100,3 +101,39 @@ def test_names_in_any_script_round_trip_through_the_fast_path(postgres_url: str)
                 assert leases.holder(name) is None
     finally:
         drop_table(postgres_url, table)
+
+
+@pytest.mark.backend
+def test_a_role_that_does_not_own_the_table_shares_it_without_altering_it(
+    postgres_server: ThrowawayPostgres,
+) -> None:
+    """The ``waited`` column is added only to a table that lacks it: ALTER TABLE needs the
+    owner, and a second role with the data privileges must still be able to use the table."""
+    import psycopg
+
+    role = f"share_{uuid.uuid4().hex[:8]}"
+    table = f"t_{role}"
+    with PostgresLeases(postgres_server.url, table=table) as owner:  # created by postgres
+        owner.try_acquire("setup", 5.0).release()  # type: ignore[union-attr]
+    with psycopg.connect(postgres_server.url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(
+            f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{table}", "{table}_permits" TO {role}'
+        )
+        admin.execute(f'GRANT USAGE ON SEQUENCE "{table}_token_seq" TO {role}')
+        admin.execute(f"GRANT CREATE ON SCHEMA public TO {role}")  # CREATE ... IF NOT EXISTS
+    url = f"postgresql://{role}@127.0.0.1:{postgres_server.port}/postgres"
+    try:
+        with PostgresLeases(url, table=table, timeout=10.0) as leases:
+            lease = leases.try_acquire("n", 5.0)
+            assert lease is not None
+            lease.release()
+    finally:
+        with psycopg.connect(postgres_server.url, autocommit=True) as admin:
+            admin.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_permits"')
+            admin.execute(f'DROP SEQUENCE IF EXISTS "{table}_token_seq"')
+            for suffix in ("_permits_acquire", "_permits_release", "_permits_extend"):
+                admin.execute(f'DROP FUNCTION IF EXISTS "{table}{suffix}"')
+            admin.execute(f"REVOKE CREATE ON SCHEMA public FROM {role}")
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE IF EXISTS {role}")
