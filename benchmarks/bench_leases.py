@@ -14,6 +14,8 @@ PostgreSQL:
     prepared ``INSERT ... ON CONFLICT DO UPDATE ... RETURNING`` to grant, one ``UPDATE`` to
     release, autocommit; on an unlogged table with ``synchronous_commit=off`` for
     ``durable=False``), and a plain ``pg_try_advisory_lock`` / ``pg_advisory_unlock`` pair;
+    with no goal, the unlogged floor through libpq's calls, the client path PostgresLeases takes
+    for its grants and releases (so the two compare what the server spends on each);
     the rows left behind by distinct names acquired and released once each; hand-off latency.
 
 Repetitions alternate the contenders and the medians are printed with ratios: the machine is a
@@ -352,6 +354,33 @@ def postgres_contenders(url: str, table: str) -> tuple[dict[str, Pair], list[Any
 
         floors[label] = floor
 
+    # Not a goal: the unlogged floor's two statements through the client path PostgresLeases
+    # takes for its grants and releases (libpq's calls, see DeadlineConnection.run_prepared),
+    # so that the ratio of the two shows what the server spends on each side's statements.
+    from rxcoord.leases._backends._pg_deadline import DeadlineConnection, Prepared
+
+    libpq_conn = DeadlineConnection.connect(url, autocommit=True)
+    libpq_conn.execute("SET synchronous_commit = off")
+    closers.append(libpq_conn)
+    relation = f'"{table}_floor_unlogged"'
+    libpq_grant = Prepared(
+        f"INSERT INTO {relation} AS l (name, token, until) VALUES "
+        "(%(name)s, 1, clock_timestamp() + make_interval(secs => 30)) ON CONFLICT (name) DO "
+        "UPDATE SET token = l.token + 1, until = excluded.until "
+        "WHERE l.until <= clock_timestamp() RETURNING l.token"
+    )
+    libpq_release = Prepared(
+        f"UPDATE {relation} SET until = clock_timestamp() WHERE name = %(name)s "
+        "AND token = %(token)s AND until > clock_timestamp() RETURNING 1"
+    )
+
+    def libpq_floor() -> None:
+        row = libpq_conn.run_prepared(libpq_grant, ("bench-libpq",))
+        token = row.get_value(0, 0)
+        assert token is not None
+        done = libpq_conn.run_prepared(libpq_release, ("bench-libpq", int(token)))
+        assert done.ntuples == 1
+
     def lease_pair(leases: PostgresLeases) -> Pair:
         def pair() -> None:
             lease = leases.try_acquire("bench", 30.0)
@@ -371,6 +400,7 @@ def postgres_contenders(url: str, table: str) -> tuple[dict[str, Pair], list[Any
         "lease-row floor (durable)": floors["durable"],
         "PostgresLeases durable=False": lease_pair(fast),
         "lease-row floor (unlogged)": floors["unlogged"],
+        "  same floor via libpq calls": libpq_floor,
         "pg_try_advisory_lock pair": advisory,
     }
     return contenders, closers
@@ -648,6 +678,14 @@ def main() -> int:
                     results[theirs_name]
                 )
                 print(f"  {label:<56} {value:5.2f}x  {'met' if value >= target else 'MISSED'}")
+            same_path = statistics.median(
+                results["PostgresLeases durable=False"]
+            ) / statistics.median(results["  same floor via libpq calls"])
+            print(
+                f"  {'(no goal) durable=False / its floor on the same client path':<56} "
+                f"{same_path:5.2f}x  (PostgresLeases sends its grant and release through "
+                "libpq's calls; the floor, through psycopg's cursors)"
+            )
             churned, left = postgres_rows_left_behind(args.postgres_url, table, args.pairs)
             print(
                 f"\nRows left behind: {left} after {churned:,} distinct names acquired and "

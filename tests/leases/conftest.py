@@ -461,6 +461,15 @@ def drop_table(url: str, table: str) -> None:
             conn.execute(f'DROP FUNCTION IF EXISTS "{table}{suffix}"')
 
 
+def pg_row_waited(url: str, table: str, name: str) -> bool:
+    """Whether a waiter has marked the row of ``name`` in the PostgreSQL lease ``table``."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(f'SELECT waited FROM "{table}" WHERE name = %s', (name,)).fetchone()
+    return bool(row and row[0])
+
+
 # -- the contract's backend fixture ---------------------------------------------------------
 
 

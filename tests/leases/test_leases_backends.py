@@ -24,7 +24,7 @@ from rxcoord.leases import (
 )
 from rxcoord.leases._notify import Listener
 
-from .conftest import drop_table, in_thread, wait_until
+from .conftest import drop_table, in_thread, pg_row_waited, wait_until
 
 # -- round trips ----------------------------------------------------------------------------
 
@@ -212,6 +212,9 @@ def test_postgres_providers_spelling_the_table_differently_wake_each_other(
         lease = holder.acquire(name, at_most_for=60.0)
         wait, outcome = in_thread(lambda: waiter.acquire(name, 5.0, timeout=30.0))
         assert subscribed.wait(10)  # the waiter listens: from now on it sleeps until notified
+        # ...once its attempt after the subscription marked the row (a release before that
+        # mark would find nobody waiting, send nothing, and leave the name to that attempt).
+        wait_until(lambda: pg_row_waited(postgres_url, table, name), what="the waiter's mark")
         lease.release()
         wait.join(15)
         assert not wait.is_alive(), "the waiter was not woken by the release"

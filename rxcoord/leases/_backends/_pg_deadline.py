@@ -16,26 +16,39 @@ the caller gets :class:`StatementTimeout`, which the provider reports as
 
 libpq's TCP keepalives and ``tcp_user_timeout`` (see :func:`keepalive_kwargs`) complement it:
 they let the kernel notice a dead peer on idle connections too, such as the listener's.
+
+:meth:`DeadlineConnection.run_prepared` is the lease's hot path (a grant, a release): a statement
+prepared once per connection under a name of ours and then executed with text parameters
+through libpq's own calls (``psycopg.pq``, ``psycopg.generators``: C code with psycopg-binary),
+the same wait and deadline as above. psycopg's cursor layer (a cursor per call, query and
+parameter adaptation, its prepared-statement cache, result loaders) costs more client CPU per
+statement than all the rest of an acquire+release pair, which on a loopback connection is a
+large share of its time; the statements of the hot path need none of it (a few text values in,
+one or two values out).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import math
+import re
 import select
 import threading
+from collections.abc import Sequence
 from time import monotonic
 from typing import Any, Final
 
 import psycopg
 import psycopg.errors
+import psycopg.generators
 import psycopg.waiting
 from psycopg import pq
 from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict
 
-__all__ = ["DeadlineConnection", "StatementTimeout", "keepalive_kwargs"]
+__all__ = ["DeadlineConnection", "Prepared", "StatementTimeout", "keepalive_kwargs"]
 
 # psycopg's generator protocol: it yields what it waits for (R=1, W=2, RW=3) and is sent what
 # is ready (R=1, W=2), the values of selectors.EVENT_READ / EVENT_WRITE in every psycopg 3.
@@ -71,6 +84,42 @@ def _fast_wait() -> Any:
     return wait
 
 
+class Prepared:
+    """A statement for :meth:`DeadlineConnection.run_prepared`, from psycopg-style SQL.
+
+    ``%(key)s`` placeholders become ``$1``, ``$2``... in order of first appearance (a key used
+    twice is one parameter); the server infers every parameter's type from its use.
+
+    Attributes:
+        name: The prepared statement's name on each connection (``rxl_`` + a hash of the SQL).
+        query: The SQL with numbered placeholders, encoded.
+        keys: The parameter keys, in ``$n`` order.
+    """
+
+    __slots__ = ("keys", "name", "query")
+
+    def __init__(self, sql: str) -> None:
+        keys: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            key = match.group(1)
+            if key not in keys:
+                keys.append(key)
+            return f"${keys.index(key) + 1}"
+
+        numbered = _PLACEHOLDER.sub(number, sql)
+        if "%" in numbered.replace("%%", ""):
+            raise ValueError(f"only %(key)s placeholders are supported: {sql!r}")
+        self.query = numbered.replace("%%", "%").encode()
+        self.keys = tuple(keys)
+        self.name = b"rxl_" + hashlib.blake2b(self.query, digest_size=8).hexdigest().encode()
+
+
+_PLACEHOLDER: Final = re.compile(r"%\((\w+)\)s")
+_TUPLES_OK: Final = pq.ExecStatus.TUPLES_OK
+_COMMAND_OK: Final = pq.ExecStatus.COMMAND_OK
+
+
 class StatementTimeout(psycopg.OperationalError):
     """The server did not answer in time; the connection was closed."""
 
@@ -90,6 +139,64 @@ class DeadlineConnection(psycopg.Connection[Any]):
 
     deadline: float | None = None
     default_timeout: float = 5.0
+    _rx_prepared: set[bytes] | None = None  # names of the Prepared statements on this session
+    _rx_encoding: str = "utf-8"
+    _rx_poller: tuple[int, select.poll] | None = None  # (socket, poller) for the idle check
+
+    def run_prepared(self, statement: Prepared, values: Sequence[str | int | float]) -> Any:
+        """Execute ``statement`` with ``values`` (in ``statement.keys`` order); its result.
+
+        Sent in text format: ``str`` in the connection's encoding, ``int`` and ``float`` as
+        their ``str``/``repr`` (which round-trips a float8 exactly). Prepared on this
+        connection at its first use. One round trip; for autocommit connections (the pool's),
+        used by one thread at a time.
+
+        Returns:
+            The ``psycopg.pq`` result (``ntuples``, ``get_value(row, column)`` as bytes).
+
+        Raises:
+            psycopg.Error: As psycopg would raise for the statement (the server's error mapped
+                by SQLSTATE, a broken connection, :class:`StatementTimeout`).
+        """
+        pgconn = self.pgconn
+        prepared = self._rx_prepared
+        if prepared is None:
+            prepared = self._rx_prepared = set()
+            self._rx_encoding = self.info.encoding
+        encoding = self._rx_encoding
+        params = [
+            value.encode(encoding) if type(value) is str else repr(value).encode()
+            for value in values
+        ]
+        if statement.name not in prepared:
+            pgconn.send_prepare(statement.name, statement.query)
+            self._check(self.wait(psycopg.generators.execute(pgconn)), _COMMAND_OK)
+            prepared.add(statement.name)
+        pgconn.send_query_prepared(statement.name, params)
+        return self._check(self.wait(psycopg.generators.execute(pgconn)), _TUPLES_OK)
+
+    def _check(self, results: list[Any], wanted: pq.ExecStatus) -> Any:
+        result = results[-1]
+        if result.status != wanted:
+            if result.status == pq.ExecStatus.FATAL_ERROR:
+                raise psycopg.errors.error_from_result(result, encoding=self._rx_encoding)
+            raise psycopg.InterfaceError(f"unexpected result status: {result.status!r}")
+        return result
+
+    def has_unexpected_input(self) -> bool:
+        """True if this idle connection is closed or has input pending (the server hung up).
+
+        No round trip: one ``poll`` of the socket, with a poller kept for the connection.
+        """
+        if self.closed or self.broken:
+            return True
+        fileno = self.pgconn.socket
+        cached = self._rx_poller
+        if cached is None or cached[0] != fileno:
+            poller = select.poll()
+            poller.register(fileno, select.POLLIN)
+            cached = self._rx_poller = (fileno, poller)
+        return bool(cached[1].poll(0))
 
     def wait(self, gen: PQGen[Any], *args: Any, **kwargs: Any) -> Any:
         if args or kwargs:

@@ -3,7 +3,7 @@
 Table (created if missing, under an advisory lock so concurrent first starts do not race)::
 
     name text PRIMARY KEY, token bigint, locked_until timestamptz, least_until timestamptz,
-    released boolean, locked_at timestamptz, locked_by text
+    released boolean, locked_at timestamptz, locked_by text, waited boolean
 
 and a sequence ``<table>_token_seq``. A row exists only while its name is taken: release
 deletes it (or, inside ``at_least_for``, marks it released until then), and rows that expired
@@ -23,10 +23,28 @@ starts above the largest token in it; do not mix versions on one table.)
   The same statement reads the current holder's remaining time for the waiter's deadline.
 * extend: ``UPDATE ... WHERE name AND token AND NOT released AND locked_until >
   clock_timestamp()``;
-* release: ``DELETE`` the owned row (``UPDATE`` it to released inside ``at_least_for``) and
-  ``pg_notify`` the name's channel, in one statement (delivered at commit, i.e. exactly when
-  the release is visible). Its commit is asynchronous in every mode: a release a crash undoes
-  only keeps the name taken until it expires (the next durable commit, a grant, flushes it).
+* release: ``DELETE`` the owned row (``UPDATE`` it to released inside ``at_least_for``) and,
+  if a waiter marked it, ``pg_notify`` the name's channel, in one statement (delivered at
+  commit, i.e. exactly when the release is visible). Its commit is asynchronous in every mode:
+  a release a crash undoes only keeps the name taken until it expires (the next durable
+  commit, a grant, flushes it).
+
+Notifications only when someone waits: a ``NOTIFY`` costs the server a lock on the database's
+notification queue and a queue entry at every commit (about a tenth of an uncontended
+acquire+release pair), so a release notifies only if its row says ``waited``. A waiter's attempt
+(one for a name this provider's listener is subscribed to) marks: a grant it wins is inserted
+``waited`` (the rest of its queue sleeps until that lease is released), and if it gets nothing it
+sets ``waited`` on the row it found, in the same statement, under the row lock the grant's
+``INSERT ... ON CONFLICT`` took. Any other grant clears it. Why no wake-up is lost: a waiter's
+attempts after its subscription is confirmed (the waiting machinery always makes one) are all
+marking ones, so a waiter sleeps only after a marking attempt, after its ``LISTEN`` took
+effect, and until the remaining time that attempt read: the grant it lost to, or its queue's
+head won, is marked. That grant's release deletes (or updates) that very row, so it either
+waited for the mark's row lock and sees it (and notifies, at a commit after the ``LISTEN``), or
+went first, and then the waiter's ``INSERT`` found the name free (or a later grant, which it
+marked). A row the mark's ``UPDATE`` cannot see (granted after the statement's snapshot) marks
+nothing, and the waiter retries at once instead of sleeping. Expiry needs no notification:
+the waiter's timer is due then, and its attempt marks whatever grant it finds.
 
 The server's ``clock_timestamp()`` decides expiry; clients only ever send durations.
 
@@ -77,14 +95,13 @@ import contextlib
 import hashlib
 import math
 import os
-import select
 import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
@@ -98,9 +115,11 @@ if TYPE_CHECKING:
     import psycopg
     import psycopg_pool
 
-    from ._pg_deadline import DeadlineConnection
+    from ._pg_deadline import DeadlineConnection, Prepared
 
 __all__ = ["PostgresLeases"]
+
+_T = TypeVar("_T")
 
 _SCHEMA_LOCK: Final = 0x7278636F6F7264  # advisory lock key for table creation ("rxcoord")
 _IDLE: Final = 0  # psycopg.pq.TransactionStatus.IDLE, without importing psycopg at import time
@@ -208,7 +227,7 @@ class PostgresLeases(LeaseProvider):
         route_driver_logs("psycopg")
         from psycopg import sql
 
-        from ._pg_deadline import DeadlineConnection, keepalive_kwargs
+        from ._pg_deadline import DeadlineConnection, Prepared, keepalive_kwargs
 
         self._psycopg = psycopg_mod
         self.table = table
@@ -237,7 +256,13 @@ class PostgresLeases(LeaseProvider):
             f"CREATE {'' if durable else 'UNLOGGED '}TABLE IF NOT EXISTS {{t}} "
             "(name text PRIMARY KEY, token bigint NOT NULL, "
             "locked_until timestamptz NOT NULL, least_until timestamptz NOT NULL, "
-            "released boolean NOT NULL, locked_at timestamptz NOT NULL, locked_by text NOT NULL)"
+            "released boolean NOT NULL, locked_at timestamptz NOT NULL, locked_by text NOT NULL, "
+            "waited boolean NOT NULL DEFAULT false)"
+        )
+        # A table created by a version without the column (see _set_up_schema): a constant
+        # default makes this a catalog change, no rewrite.
+        self._sql_add_waited = render(
+            "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS waited boolean NOT NULL DEFAULT false"
         )
         self._sql_create_seq = render("CREATE SEQUENCE {seq}")
         # Only for a sequence this transaction created: nobody else uses it before the commit.
@@ -245,20 +270,40 @@ class PostgresLeases(LeaseProvider):
             "SELECT setval({seqlit}::regclass, m) FROM (SELECT max(token) AS m FROM {t}) AS x "
             "WHERE m IS NOT NULL"
         )
+
+        def granted(waited: str) -> str:
+            return (
+                "WITH granted AS (INSERT INTO {t} AS l "
+                "(name, token, locked_until, least_until, released, locked_at, locked_by, "
+                "waited) VALUES (%(name)s, nextval({seqlit}::regclass), "
+                "clock_timestamp() + make_interval(secs => %(most)s), "
+                "clock_timestamp() + make_interval(secs => %(least)s), false, clock_timestamp(), "
+                f"%(by)s, {waited}) ON CONFLICT (name) DO UPDATE SET token = excluded.token, "
+                "locked_until = excluded.locked_until, least_until = excluded.least_until, "
+                "released = false, locked_at = excluded.locked_at, locked_by = excluded.locked_by, "
+                "waited = excluded.waited WHERE l.locked_until <= clock_timestamp() "
+                "RETURNING l.token) "
+            )
+
         self._sql_grant = render(
-            "WITH granted AS (INSERT INTO {t} AS l "
-            "(name, token, locked_until, least_until, released, locked_at, locked_by) "
-            "VALUES (%(name)s, nextval({seqlit}::regclass), "
-            "clock_timestamp() + make_interval(secs => %(most)s), "
-            "clock_timestamp() + make_interval(secs => %(least)s), false, clock_timestamp(), "
-            "%(by)s) ON CONFLICT (name) DO UPDATE SET token = excluded.token, "
-            "locked_until = excluded.locked_until, least_until = excluded.least_until, "
-            "released = false, locked_at = excluded.locked_at, locked_by = excluded.locked_by "
-            "WHERE l.locked_until <= clock_timestamp() RETURNING l.token) "
+            granted("false")
             # The holder's remaining time only when taken: CASE evaluates the subquery lazily.
-            "SELECT g.token, CASE WHEN g.token IS NULL THEN (SELECT extract(epoch FROM "
+            + "SELECT g.token, CASE WHEN g.token IS NULL THEN (SELECT extract(epoch FROM "
             "c.locked_until - clock_timestamp())::float8 FROM {t} AS c WHERE c.name = %(name)s) "
             "END FROM (SELECT (SELECT token FROM granted) AS token) AS g"
+        )
+        # An attempt for a name this provider's waiters wait for (see "Notifications" in the
+        # module docstring). A grant is marked: the other waiters of its queue sleep until it
+        # is released. Getting nothing, it marks the grant it found, under the row lock the
+        # INSERT took, and reads that grant's remaining time. No row marked (the holder's row
+        # is not in this statement's snapshot: granted after it began) reads as "free": the
+        # waiter retries.
+        self._sql_grant_waiting = render(
+            granted("true")
+            + ", marked AS (UPDATE {t} AS c SET waited = true WHERE c.name = %(name)s "
+            "AND c.locked_until > clock_timestamp() AND NOT EXISTS (SELECT FROM granted) "
+            "RETURNING extract(epoch FROM c.locked_until - clock_timestamp())::float8 AS secs) "
+            "SELECT (SELECT token FROM granted), (SELECT secs FROM marked)"
         )
         self._sql_holder = render(
             "SELECT token, extract(epoch FROM locked_until - clock_timestamp())::float8, "
@@ -278,21 +323,35 @@ class PostgresLeases(LeaseProvider):
         # only keeps the name taken until its expiry, it can never let two holders in, so it
         # need not wait for the WAL flush. Grants and extensions do wait: an undone grant
         # could hand its token out twice, an undone extension end a lease its holder trusts.
+        # (durable=False: every connection commits asynchronously already.)
+        # It notifies only when a waiter marked the row (CASE evaluates pg_notify lazily).
+        asynchronous = ", set_config('synchronous_commit', 'off', true)" if durable else ""
+        notify = "CASE WHEN w THEN pg_notify(%(channel)s, '') END" + asynchronous
         self._sql_release = render(
             "WITH now AS (SELECT clock_timestamp() AS t), "
             f"gone AS (DELETE FROM {{t}} WHERE {owned} "
-            "AND least_until <= (SELECT t FROM now) RETURNING 1), "
+            "AND least_until <= (SELECT t FROM now) RETURNING waited), "
             "kept AS (UPDATE {t} SET locked_until = least_until, released = true "
-            f"WHERE {owned} AND least_until > (SELECT t FROM now) RETURNING 1) "
-            "SELECT pg_notify(%(channel)s, ''), set_config('synchronous_commit', 'off', true) "
-            "FROM (SELECT 1 FROM gone UNION ALL SELECT 1 FROM kept) AS released"
+            f"WHERE {owned} AND least_until > (SELECT t FROM now) RETURNING waited) "
+            f"SELECT {notify} FROM (SELECT waited AS w FROM gone "
+            "UNION ALL SELECT waited FROM kept) AS released"
         )
         # A grant without at_least_for is never kept after its release: one DELETE.
         self._sql_release_simple = render(
-            f"WITH gone AS (DELETE FROM {{t}} WHERE {owned} RETURNING 1) "
-            "SELECT pg_notify(%(channel)s, ''), set_config('synchronous_commit', 'off', true) "
-            "FROM gone"
+            f"WITH gone AS (DELETE FROM {{t}} WHERE {owned} RETURNING waited AS w) "
+            f"SELECT {notify} FROM gone"
         )
+        self._grant = Prepared(self._sql_grant)
+        self._grant_waiting = Prepared(self._sql_grant_waiting)
+        self._release = Prepared(self._sql_release)
+        self._release_simple = Prepared(self._sql_release_simple)
+        for statement, keys in (
+            (self._grant, ("name", "most", "least", "by")),
+            (self._grant_waiting, ("name", "most", "least", "by")),
+            (self._release, ("name", "token", "channel")),
+            (self._release_simple, ("name", "token", "channel")),
+        ):
+            assert statement.keys == keys, statement.keys  # the order the callers pass
         # SKIP LOCKED: a row being granted right now is not expired any more; never wait for it.
         self._sql_sweep = render(
             "DELETE FROM {t} WHERE name IN (SELECT name FROM {t} "
@@ -391,7 +450,7 @@ class PostgresLeases(LeaseProvider):
         # A few attempts: every idle connection may have been closed by a server restart.
         for _ in range(self._max_size + 1):
             conn = self._checkout(deadline)
-            if not _has_unexpected_input(conn):
+            if not conn.has_unexpected_input():
                 conn.deadline = deadline
                 return conn
             conn.close()  # the pool discards closed connections and opens a new one
@@ -481,6 +540,15 @@ class PostgresLeases(LeaseProvider):
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
                 conn.execute(self._sql_create)
+                # Added only when missing: ALTER TABLE needs the table's owner, which a second
+                # role sharing the table is not.
+                has_waited = conn.execute(
+                    "SELECT EXISTS (SELECT FROM pg_catalog.pg_attribute WHERE attrelid = "
+                    "%s::regclass AND attname = 'waited' AND NOT attisdropped)",
+                    (self._table_literal,),
+                ).fetchone()
+                if not (has_waited and has_waited[0]):
+                    conn.execute(self._sql_add_waited)
                 exists = conn.execute(
                     "SELECT to_regclass(%s) IS NOT NULL", (self._seq_name_literal,)
                 ).fetchone()
@@ -542,6 +610,31 @@ class PostgresLeases(LeaseProvider):
         ``rows``: the statement returns rows (read the first). Said by the caller rather than
         read from ``cursor.description``, which builds column objects on every call.
         """
+
+        def execute(conn: DeadlineConnection) -> tuple[Any, int]:
+            cursor = conn.execute(query, params, prepare=True)
+            row = cursor.fetchone() if rows else None
+            return row, cursor.rowcount
+
+        return self._on_connection(execute, action, timeout)
+
+    def _run_prepared(
+        self,
+        statement: Prepared,
+        values: Sequence[str | int | float],
+        action: str,
+        timeout: float | None = None,
+    ) -> Any:
+        """:meth:`_run` for the hot path (grants, releases): the ``psycopg.pq`` result of
+        ``statement`` (see ``DeadlineConnection.run_prepared``), values in its keys' order."""
+        return self._on_connection(
+            lambda conn: conn.run_prepared(statement, values), action, timeout
+        )
+
+    def _on_connection(
+        self, fn: Callable[[DeadlineConnection], _T], action: str, timeout: float | None
+    ) -> _T:
+        """``fn`` on a pooled connection within ``timeout``, driver errors mapped."""
         errors = self._psycopg.Error
         budget = self._timeout if timeout is None else min(timeout, self._timeout)
         deadline = monotonic() + budget
@@ -551,9 +644,7 @@ class PostgresLeases(LeaseProvider):
                     self._ensure_schema(deadline)
                 conn = self._getconn(deadline)
                 try:
-                    cursor = conn.execute(query, params, prepare=True)
-                    row = cursor.fetchone() if rows else None
-                    return row, cursor.rowcount
+                    return fn(conn)
                 finally:
                     self._putconn(conn)
             except (
@@ -574,16 +665,18 @@ class PostgresLeases(LeaseProvider):
     def _store_try_grant(
         self, name: str, at_most_for: float, at_least_for: float
     ) -> tuple[int, float]:
-        row, _ = self._run(
-            self._sql_grant,
-            {"name": name, "most": at_most_for, "least": at_least_for, "by": self._holder},
+        result = self._run_prepared(
+            # A name this provider's waiters listen for: mark the row if it is taken.
+            self._grant_waiting if self._listener.watching(name) else self._grant,
+            (name, at_most_for, at_least_for, self._holder),
             "grant a lease",
         )
         self._maybe_sweep()
-        token, remaining = row
+        token = result.get_value(0, 0)
         if token is not None:
             return int(token), 0.0
-        return 0, max(0.0, float(remaining or 0.0))
+        remaining = result.get_value(0, 1)
+        return 0, max(0.0, float(remaining)) if remaining is not None else 0.0
 
     def _maybe_sweep(self) -> None:
         """Delete expired rows in the background, at most every ``sweep_every`` seconds.
@@ -630,13 +723,13 @@ class PostgresLeases(LeaseProvider):
     def _store_release(
         self, name: str, token: int, *, timeout: float | None = None, kept: bool = True
     ) -> bool:
-        row, _ = self._run(
-            self._sql_release if kept else self._sql_release_simple,
-            {"name": name, "token": token, "channel": self._channel(name)},
+        result = self._run_prepared(
+            self._release if kept else self._release_simple,
+            (name, token, self._channel(name)),
             "release a lease",
             timeout,
         )
-        return row is not None
+        return bool(result.ntuples)
 
     # -- fleet permits: one function call each (see _permit_statements) ----------------------
 
@@ -1222,15 +1315,6 @@ def _fix_for(sqlstate: str | None, text: str) -> str:
     return "check the provider's configuration and the values passed"
 
 
-def _has_unexpected_input(conn: psycopg.Connection[Any]) -> bool:
-    """True if an idle connection is closed or has pending input (e.g. the server hung up)."""
-    if conn.closed or conn.broken:
-        return True
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
-
-
 class _PgListener(Listener):
     """LISTENs on the channels of the names being waited for, on a connection of its own."""
 
@@ -1253,6 +1337,15 @@ class _PgListener(Listener):
         self._channel_of = channel_of
         self._channels: dict[str, str] = {}  # channel -> name
         self._conn: DeadlineConnection | None = None
+
+    def watching(self, name: str) -> bool:
+        """True while a waiter of this provider wants ``name``'s notifications (any thread).
+
+        Set before the subscription is sent and kept until the last waiter of the name leaves,
+        so every attempt a waiter makes after its subscription is confirmed sees True.
+        """
+        sub = self._subs.get(name)  # one dict read: atomic, no lock needed
+        return sub is not None and sub.wanted
 
     def _connect(self) -> None:
         from ._pg_deadline import DeadlineConnection
