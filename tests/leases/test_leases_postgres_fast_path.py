@@ -74,15 +74,7 @@ def test_a_privilege_revoked_after_the_statements_were_prepared_is_a_configurati
                 leases.try_acquire("n", 5.0)
             assert leases.stats().held == 0
     finally:
-        with psycopg.connect(postgres_server.url, autocommit=True) as admin:
-            admin.execute(f'DROP TABLE IF EXISTS "{table}"')
-            admin.execute(f'DROP SEQUENCE IF EXISTS "{table}_token_seq"')
-            for suffix in ("_permits_acquire", "_permits_release", "_permits_extend"):
-                admin.execute(f'DROP FUNCTION IF EXISTS "{table}{suffix}"')
-            admin.execute(f'DROP TABLE IF EXISTS "{table}_permits"')
-            admin.execute(f"REVOKE CREATE ON SCHEMA public FROM {role}")
-            admin.execute(f"DROP OWNED BY {role}")
-            admin.execute(f"DROP ROLE IF EXISTS {role}")
+        _drop_table_and_role(postgres_server.url, table, role)
 
 
 @pytest.mark.backend
@@ -129,11 +121,18 @@ def test_a_role_that_does_not_own_the_table_shares_it_without_altering_it(
             assert lease is not None
             lease.release()
     finally:
-        with psycopg.connect(postgres_server.url, autocommit=True) as admin:
-            admin.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_permits"')
-            admin.execute(f'DROP SEQUENCE IF EXISTS "{table}_token_seq"')
-            for suffix in ("_permits_acquire", "_permits_release", "_permits_extend"):
-                admin.execute(f'DROP FUNCTION IF EXISTS "{table}{suffix}"')
-            admin.execute(f"REVOKE CREATE ON SCHEMA public FROM {role}")
-            admin.execute(f"DROP OWNED BY {role}")
-            admin.execute(f"DROP ROLE IF EXISTS {role}")
+        _drop_table_and_role(postgres_server.url, table, role)
+
+
+def _drop_table_and_role(admin_url: str, table: str, role: str) -> None:
+    """Remove a test's lease table (with its sequence, permit table and functions) and role."""
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_permits"')
+        admin.execute(f'DROP SEQUENCE IF EXISTS "{table}_token_seq"')
+        for suffix in ("_permits_acquire", "_permits_release", "_permits_extend"):
+            admin.execute(f'DROP FUNCTION IF EXISTS "{table}{suffix}"')
+        admin.execute(f"REVOKE CREATE ON SCHEMA public FROM {role}")
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
