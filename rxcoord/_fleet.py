@@ -264,7 +264,9 @@ class FleetAdmission:
         """
         if not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str, not {tenant!r}")
-        limit = self._limit if tenant_limit is None else check_count(tenant_limit, "tenant_limit", 1)
+        limit = self._limit
+        if tenant_limit is not None:
+            limit = check_count(tenant_limit, "tenant_limit", 1)
         return _LaneAdmission(self, tenant, check_weight(weight, "weight"), min(limit, self._limit))
 
     def stats(self) -> FleetStats:
