@@ -23,8 +23,9 @@ class WorkerPool:
 
     A worker that finishes a job takes no lock: it only stores a count (see ``_finished``).
     With a lock there, every job's end contended with the next submit and with the other
-    workers' ends, and on a loaded GIL those hand-offs queued up into lock convoys that halved
-    the pool's throughput (bench_coordinator's sync row).
+    workers' ends: one more place per job where a thread could block on a lock whose holder
+    waits for the GIL (bench_coordinator's sync row, same process: 0.99x-1.12x of the locked
+    version; the row itself swings 2x with the machine's load).
     """
 
     def __init__(self, max_workers: int, name: str) -> None:
