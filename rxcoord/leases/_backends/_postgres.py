@@ -285,12 +285,15 @@ class PostgresLeases(LeaseProvider):
                 "RETURNING l.token) "
             )
 
-        self._sql_grant = render(
-            granted("false")
-            # The holder's remaining time only when taken: CASE evaluates the subquery lazily.
-            + "SELECT g.token, CASE WHEN g.token IS NULL THEN (SELECT extract(epoch FROM "
-            "c.locked_until - clock_timestamp())::float8 FROM {t} AS c WHERE c.name = %(name)s) "
-            "END FROM (SELECT (SELECT token FROM granted) AS token) AS g"
+        self._grant = Prepared(
+            render(
+                granted("false")
+                # The holder's remaining time only when taken: CASE evaluates the subquery lazily.
+                + "SELECT g.token, CASE WHEN g.token IS NULL THEN (SELECT extract(epoch FROM "
+                "c.locked_until - clock_timestamp())::float8 FROM {t} AS c "
+                "WHERE c.name = %(name)s) END "
+                "FROM (SELECT (SELECT token FROM granted) AS token) AS g"
+            )
         )
         # An attempt for a name this provider's waiters wait for (see "Notifications" in the
         # module docstring). A grant is marked: the other waiters of its queue sleep until it
@@ -298,12 +301,14 @@ class PostgresLeases(LeaseProvider):
         # INSERT took, and reads that grant's remaining time. No row marked (the holder's row
         # is not in this statement's snapshot: granted after it began) reads as "free": the
         # waiter retries.
-        self._sql_grant_waiting = render(
-            granted("true")
-            + ", marked AS (UPDATE {t} AS c SET waited = true WHERE c.name = %(name)s "
-            "AND c.locked_until > clock_timestamp() AND NOT EXISTS (SELECT FROM granted) "
-            "RETURNING extract(epoch FROM c.locked_until - clock_timestamp())::float8 AS secs) "
-            "SELECT (SELECT token FROM granted), (SELECT secs FROM marked)"
+        self._grant_waiting = Prepared(
+            render(
+                granted("true")
+                + ", marked AS (UPDATE {t} AS c SET waited = true WHERE c.name = %(name)s "
+                "AND c.locked_until > clock_timestamp() AND NOT EXISTS (SELECT FROM granted) "
+                "RETURNING extract(epoch FROM c.locked_until - clock_timestamp())::float8 AS secs) "
+                "SELECT (SELECT token FROM granted), (SELECT secs FROM marked)"
+            )
         )
         self._sql_holder = render(
             "SELECT token, extract(epoch FROM locked_until - clock_timestamp())::float8, "
@@ -327,24 +332,24 @@ class PostgresLeases(LeaseProvider):
         # It notifies only when a waiter marked the row (CASE evaluates pg_notify lazily).
         asynchronous = ", set_config('synchronous_commit', 'off', true)" if durable else ""
         notify = "CASE WHEN w THEN pg_notify(%(channel)s, '') END" + asynchronous
-        self._sql_release = render(
-            "WITH now AS (SELECT clock_timestamp() AS t), "
-            f"gone AS (DELETE FROM {{t}} WHERE {owned} "
-            "AND least_until <= (SELECT t FROM now) RETURNING waited), "
-            "kept AS (UPDATE {t} SET locked_until = least_until, released = true "
-            f"WHERE {owned} AND least_until > (SELECT t FROM now) RETURNING waited) "
-            f"SELECT {notify} FROM (SELECT waited AS w FROM gone "
-            "UNION ALL SELECT waited FROM kept) AS released"
+        self._release = Prepared(
+            render(
+                "WITH now AS (SELECT clock_timestamp() AS t), "
+                f"gone AS (DELETE FROM {{t}} WHERE {owned} "
+                "AND least_until <= (SELECT t FROM now) RETURNING waited), "
+                "kept AS (UPDATE {t} SET locked_until = least_until, released = true "
+                f"WHERE {owned} AND least_until > (SELECT t FROM now) RETURNING waited) "
+                f"SELECT {notify} FROM (SELECT waited AS w FROM gone "
+                "UNION ALL SELECT waited FROM kept) AS released"
+            )
         )
         # A grant without at_least_for is never kept after its release: one DELETE.
-        self._sql_release_simple = render(
-            f"WITH gone AS (DELETE FROM {{t}} WHERE {owned} RETURNING waited AS w) "
-            f"SELECT {notify} FROM gone"
+        self._release_simple = Prepared(
+            render(
+                f"WITH gone AS (DELETE FROM {{t}} WHERE {owned} RETURNING waited AS w) "
+                f"SELECT {notify} FROM gone"
+            )
         )
-        self._grant = Prepared(self._sql_grant)
-        self._grant_waiting = Prepared(self._sql_grant_waiting)
-        self._release = Prepared(self._sql_release)
-        self._release_simple = Prepared(self._sql_release_simple)
         for statement, keys in (
             (self._grant, ("name", "most", "least", "by")),
             (self._grant_waiting, ("name", "most", "least", "by")),
