@@ -75,8 +75,8 @@ class Checker:
             if t.key is not None:
                 self.turns.setdefault(t.key, []).append(t.index)
         for t in self.tasks:
-            if before.get(t.index) == WAITING and t.state != WAITING:
-                self.left_waiting.append(t.index)
+            if before.get(t.index) == WAITING and t.state not in (WAITING, DONE):
+                self.left_waiting.append(t.index)  # admitted (a cancelled waiter just leaves)
         counts = table.counts
         for state in (WAITING, QUEUED, GATED, RUNNING, RETRYING):
             assert counts[state] == sum(t.state == state for t in self.tasks), state

@@ -17,10 +17,11 @@ A sync callable may return an awaitable all the same: ``lambda: handle(message)`
 job in disguise, and it is how most code writes a job with arguments. Its first call runs on a
 worker thread like any sync job, and the awaitable it returns is awaited on the loop. The
 callable's *code object* is then remembered (every lambda of one expression in the source shares
-it), so every later job of that code is called on the loop at once, with no thread hop. Should a
-remembered code ever return something else (a lambda that dispatches to sync and async
-functions), it is forgotten again: that one call ran on the loop, and later ones take the worker
-again.
+it), so every later job of that code is called on the loop at once, with no thread hop. The
+coordinator asks again when a job's turn comes (``remembered``), so jobs submitted before the
+first one returned (a ``gather`` of thousands) take the loop too. Should a remembered code ever
+return something else (a lambda that dispatches to sync and async functions), it is forgotten
+again: that one call ran on the loop, and later ones take the worker again.
 """
 
 from __future__ import annotations
@@ -36,14 +37,25 @@ from reactivex import Observable, abc
 
 from .._core.checks import check_deadline, check_hashable, check_overflow
 
-__all__ = ["Execution", "Owner", "check_call", "code_of", "execution", "forget", "remember"]
+__all__ = [
+    "Execution",
+    "Owner",
+    "check_call",
+    "code_of",
+    "execution",
+    "forget",
+    "remember",
+    "remembered",
+]
 
 _T = TypeVar("_T")
 
-# Code objects whose callables returned an awaitable (see the module docstring). Bounded, so code
-# generated at run time (``exec`` per call) cannot grow it without end: at the bound it starts
-# over, and a forgotten code costs one more thread hop.
-_ASYNC_CODES: set[CodeType] = set()
+# Code objects whose callables returned an awaitable (see the module docstring), by identity:
+# ``id(code) -> code`` (hashing a code object hashes its bytecode and constants, every time;
+# an id is free, and the entry keeps its code alive so the id cannot be reused meanwhile).
+# Bounded, so code generated at run time (``exec`` per call) cannot grow it without end: at
+# the bound it starts over, and a forgotten code costs one more thread hop.
+_ASYNC_CODES: dict[int, CodeType] = {}
 _REMEMBER_AT_MOST: Final = 4096
 
 
@@ -187,7 +199,10 @@ def execution(
     wait = None if overflow is None else check_overflow(overflow)
     is_async = check_call(job, args)
     if key is not None:
-        check_hashable(key, "key")  # an unhashable key fails here, at the call
+        try:
+            hash(key)  # an unhashable key fails here, at the call
+        except TypeError:
+            check_hashable(key, "key")  # raises, with the one policy's message
     timeout = default_timeout if timeout is None else check_deadline(timeout)
     return Execution(owner, job, args, key, timeout, wait, is_async)
 
@@ -214,9 +229,16 @@ def check_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
         target = target.__func__
         given += 1
     if type(target) is FunctionType:
+        # Whether ``given`` positional arguments fit the code (else ask inspect, which says
+        # why not). Inline, not a helper: every execute() comes here (bench_asyncio's rows).
         code = target.__code__
-        if _accepts(target, code, given):
-            return bool(code.co_flags & CO_COROUTINE) or code in _ASYNC_CODES
+        if (
+            not code.co_kwonlyargcount or len(target.__kwdefaults__ or ()) == code.co_kwonlyargcount
+        ) and (
+            code.co_argcount - len(target.__defaults__ or ()) <= given <= code.co_argcount
+            or (given > code.co_argcount and code.co_flags & CO_VARARGS)
+        ):
+            return bool(code.co_flags & CO_COROUTINE) or _ASYNC_CODES.get(id(code)) is code
     elif not callable(fn):
         raise TypeError(f"job must be callable, not {fn!r}")
     try:
@@ -234,15 +256,6 @@ def check_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     return inspect.iscoroutinefunction(fn)
 
 
-def _accepts(function: FunctionType, code: CodeType, given: int) -> bool:
-    """Whether ``given`` positional arguments fit ``function``'s code (False: ask inspect)."""
-    if code.co_kwonlyargcount and len(function.__kwdefaults__ or ()) < code.co_kwonlyargcount:
-        return False  # a required keyword-only parameter: the call cannot work
-    if given > code.co_argcount:
-        return bool(code.co_flags & CO_VARARGS)
-    return given >= code.co_argcount - len(function.__defaults__ or ())
-
-
 def code_of(fn: Callable[..., Any]) -> CodeType | None:
     """The code object that decides where ``fn`` runs (see the module docstring), if any."""
     target: Any = fn
@@ -258,14 +271,20 @@ def code_of(fn: Callable[..., Any]) -> CodeType | None:
 def remember(fn: Callable[..., Any]) -> None:
     """``fn`` returned an awaitable: later jobs of its code are called on the loop at once."""
     code = code_of(fn)
-    if code is not None and code not in _ASYNC_CODES:
+    if code is not None and _ASYNC_CODES.get(id(code)) is not code:
         if len(_ASYNC_CODES) >= _REMEMBER_AT_MOST:
             _ASYNC_CODES.clear()
-        _ASYNC_CODES.add(code)
+        _ASYNC_CODES[id(code)] = code
+
+
+def remembered(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn``'s code has returned an awaitable before (see the module docstring)."""
+    code = code_of(fn)
+    return code is not None and _ASYNC_CODES.get(id(code)) is code
 
 
 def forget(fn: Callable[..., Any]) -> None:
     """``fn``'s code returned something other than an awaitable: worker threads again."""
     code = code_of(fn)
-    if code is not None:
-        _ASYNC_CODES.discard(code)
+    if code is not None and _ASYNC_CODES.get(id(code)) is code:
+        del _ASYNC_CODES[id(code)]

@@ -53,6 +53,7 @@ import inspect
 import threading
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, TypeVarTuple, cast, overload
 
 from loguru import logger
@@ -70,7 +71,7 @@ from .._core.workers import WorkerPool, hand_off
 from .._errors import CoordinatorClosed, TooManyTasks
 from .._fleet import FleetAdmission, FleetStats
 from .._key_guard import KeyGuard, LeaseKeyGuard
-from ._execution import Execution, execution, forget, remember
+from ._execution import Execution, execution, forget, remember, remembered
 from ._runners import LoopRunner, Runner, SchedulerRunner, WorkerRunner, spawn
 from ._table import (
     CANCELLED,
@@ -571,7 +572,7 @@ class TenantTaskCoordinator(Closeable):
         """
         loop = _get_running_loop()
         assert loop is not None  # a coroutine runs on a loop
-        is_async = execution.is_async
+        is_async = execution.is_async or remembered(execution.job)
         # Inline in this task: an async job whose loop is this one (not a scheduler's other).
         inline = is_async and self._scheduler_loop in (None, loop)
         task = Task(
@@ -597,28 +598,25 @@ class TenantTaskCoordinator(Closeable):
             entered()
         if state < 0:
             raise self._refusal(state)
-        if state is RUNNING and inline:
-            return await self._run_inline(task, loop)  # its turn at once: the common case
-        if state is RUNNING or state is GATED:
-            self._turn(task)
-        if not task.turn and not task.ended:
-            task.future = future = loop.create_future()
-            try:
-                await future
-            except asyncio.CancelledError:
+        if state is not RUNNING or not inline:  # not its turn at once (the common case is)
+            if state is RUNNING or state is GATED:
+                self._turn(task)
+            if not task.turn and not task.ended:
+                task.future = future = loop.create_future()
+                try:
+                    await future
+                except asyncio.CancelledError:
+                    task.future = None
+                    self._leave(task)
+                    raise
                 task.future = None
-                self._leave(task)
-                raise
-            task.future = None
-        if task.turn:
-            return await self._run_inline(task, loop)
-        # It runs elsewhere, or it ended before its turn (closed): a turn still on its way to
-        # this awaiter is given back when it arrives (_hand).
-        task.gone = True
-        return await task.outcome()
-
-    async def _run_inline(self, task: Task, loop: asyncio.AbstractEventLoop) -> Any:
-        """The awaiting task's turn: run the async job inside it; the outcome."""
+            if not task.turn:
+                # It runs elsewhere, or it ended before its turn (closed): a turn still on its
+                # way to this awaiter is given back when it arrives (_hand).
+                task.gone = True
+                return await task.outcome()
+        # Its turn: the async job runs inside this task (inlined, not a coroutine of its own:
+        # one frame less per job, bench_asyncio's rows).
         current = _current_task(loop)
         assert current is not None
         await self._run_async(task, None, _NO_TOKEN, current)
@@ -714,6 +712,12 @@ class TenantTaskCoordinator(Closeable):
 
     def _go(self, task: Task) -> None:
         """``task`` may run now: in its awaiting task, on its loop, or on the runner."""
+        if not task.is_async and remembered(task.job):
+            # Its code returned an awaitable since it was submitted: the loop, no thread hop.
+            loop = self._scheduler_loop or task.loop
+            if loop is not None:
+                task.is_async = True
+                task.job_loop = loop
         if task.observer is None and task.is_async and task.job_loop is task.loop:
             loop = task.loop
             assert loop is not None
@@ -766,6 +770,7 @@ class TenantTaskCoordinator(Closeable):
             assert current is not None
         if awaitable is None and task.timeout is not None:  # (a sync job's was armed at its go)
             self._arm_timeout(task)
+        task.begun = True  # then look: see _settled
         if task.settled:  # cancelled, timed out or closed between its turn and now
             _discard(awaitable)
             self._end_guarded(task, None, None, token)
@@ -785,7 +790,9 @@ class TenantTaskCoordinator(Closeable):
                 if permit is not None:
                     entered = permit.enter()
                 value = job(*task.args)
-                if isinstance(value, abc.ObservableBase) or not inspect.isawaitable(value):
+                if type(value) is CoroutineType:  # (the common case, before the ABC checks)
+                    value = await value
+                elif isinstance(value, abc.ObservableBase) or not inspect.isawaitable(value):
                     # A remembered code returned something else: worker threads again.
                     forget(job)
                     if isinstance(value, abc.ObservableBase) or _is_concurrent_future(value):
@@ -825,6 +832,7 @@ class TenantTaskCoordinator(Closeable):
 
     def _run_sync(self, task: Task) -> None:
         """Run a sync job on the runner's thread: guard, call, and what it returned."""
+        task.begun = True  # then look: see _settled
         if task.settled:  # cancelled (or closed) between its hand-off and now
             self._end(task, None, None)
             return
@@ -966,7 +974,10 @@ class TenantTaskCoordinator(Closeable):
         if decided:
             if error is not None:
                 self._log.opt(exception=error).debug("job failed on {!r}", self._name)
-            self._deliver(task, value, error)
+            if task.observer is None and _get_running_loop() is task.loop:
+                task.land(value, error)  # the awaiter's own loop: no hops (bench_asyncio's rows)
+            else:
+                self._deliver(task, value, error)
 
     def _deliver(self, task: Task, value: Any, error: BaseException | None) -> None:
         """Send the outcome to the subscriber (or awaiter), on its loop if it has one."""
@@ -1043,6 +1054,13 @@ class TenantTaskCoordinator(Closeable):
             self._withdraw(task)
         elif state is RUNNING:
             self._stop(task)
+            # Handed to its runner (or its awaiter) but not taken yet: it never starts, so its
+            # slot and key go on now, as a queued task's would. The runner sets ``begun`` and
+            # then looks at ``settled``; this looks at ``begun`` after ``settled`` was set: one
+            # of the two sees the other's flag, and ``_end`` is once-only, so the job either
+            # runs (and ends itself) or is ended here - never both, never neither.
+            if not task.begun:
+                self._end(task, None, None)
         elif state is RETRYING:
             timer = task.timer
             if timer is not None:

@@ -31,6 +31,7 @@ class Task(Entry, abc.DisposableBase):
 
     __slots__ = (
         "args",
+        "begun",
         "context",
         "coordinator",
         "ended",
@@ -83,6 +84,7 @@ class Task(Entry, abc.DisposableBase):
         self.permit: Permit | None = None  # a granted permit with a life of its own
         self.inside: asyncio.Task[Any] | None = None  # the asyncio task the job runs in
         self.ours = False  # the coordinator cancelled ``inside`` (a timeout, close, dispose)
+        self.begun = False  # its runner took it (see TenantTaskCoordinator._settled)
         self.work: Work | None = None  # what the job returned, run to its end (JobRun)
         # The awaiting task's side:
         self.future: asyncio.Future[None] | None = None  # what it waits on, while it waits
@@ -116,7 +118,8 @@ class Task(Entry, abc.DisposableBase):
         self.value = value
         self.error = error
         self.ended = True
-        self.wake()
+        if self.future is not None:  # (the inline run's outcome lands with nobody waiting)
+            self.wake()
 
     def result(self) -> Any:
         """The outcome that has arrived: the job's value, or raise its error."""
