@@ -712,7 +712,8 @@ class TenantTaskCoordinator(Closeable):
 
     def _go(self, task: Task) -> None:
         """``task`` may run now: in its awaiting task, on its loop, or on the runner."""
-        if not task.is_async and remembered(task.job):
+        job = task.job
+        if not task.is_async and job is not None and remembered(job):
             # Its code returned an awaitable since it was submitted: the loop, no thread hop.
             loop = self._scheduler_loop or task.loop
             if loop is not None:
