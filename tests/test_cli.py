@@ -337,7 +337,8 @@ def test_bench_prints_one_table_with_a_verdict_per_row(
     _stand_ins(tmp_path / "benchmarks")
     (tmp_path / "pkg" / "_cli").mkdir(parents=True)
     monkeypatch.setattr(bench, "__file__", str(tmp_path / "pkg" / "_cli" / "bench.py"))
-    assert run_benchmarks(True, redis_url=None, postgres_url=None) == 0
+    written = tmp_path / "run.json"
+    assert run_benchmarks(True, redis_url=None, postgres_url=None, json_path=str(written)) == 0
     out = capsys.readouterr().out
     for name in BENCHMARKS:
         assert f"{name} workload" in out
@@ -346,6 +347,23 @@ def test_bench_prints_one_table_with_a_verdict_per_row(
     n = len(BENCHMARKS)
     assert f"goals: {n} met, {n} not met, {n} too small to judge in a --quick run" in out
     assert "bench_extra left out: it needs the module 'module_that_is_not_installed'" in out
+    # --json: the same rows and verdicts, for the documentation's plots.
+    run = json.loads(written.read_text())
+    assert run["quick"] is True
+    assert [row["verdict"] for row in run["rows"][:3]] == ["met", "too small to judge", "not met"]
+    assert run["rows"][0] == {
+        "benchmark": BENCHMARKS[0],
+        "workload": f"{BENCHMARKS[0]} workload",
+        "ours": "10/s",
+        "baseline": "baseline",
+        "theirs": "5/s",
+        "ratio": "2.00x",
+        "goal": ">= 1x",
+        "judgeable": True,
+        "verdict": "met",
+    }
+    assert len(run["rows"]) == 3 * n
+    assert "no redis" in run["notes"]
 
 
 @pytest.mark.usefixtures("fresh_bench_modules")
