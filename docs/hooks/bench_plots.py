@@ -9,8 +9,8 @@ hook makes, at every build:
 * ``img/bench-light-tenant.svg``: the light tenants' latency under a flood, fair vs FIFO.
 
 So the figures, the plots and the table cannot disagree, and a new run is one command and a
-commit. Matplotlib draws with its Agg backend and fixed SVG ids (``svg.hashsalt``), so the same
-data gives the same files.
+commit. Matplotlib draws with fixed SVG ids (``svg.hashsalt``), so the same data gives the
+same files.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from typing import Any
 
 import matplotlib
 
-matplotlib.use("Agg")  # no display: a build machine has none
-
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-from mkdocs.config.defaults import MkDocsConfig  # noqa: E402
-from mkdocs.structure.files import File, Files  # noqa: E402
-from mkdocs.structure.pages import Page  # noqa: E402
+# Figure objects, not pyplot: no backend, no global figure state, nothing to close.
+from matplotlib.figure import Figure
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "bench.json"
 TABLE_MARK = "<!-- bench: table -->"
@@ -86,10 +85,9 @@ def describe(run: dict[str, Any]) -> str:
     )
 
 
-def _svg(figure: Any) -> bytes:
+def _svg(figure: Figure) -> bytes:
     out = io.StringIO()
     figure.savefig(out, format="svg", bbox_inches="tight", metadata={"Date": None})
-    plt.close(figure)
     return out.getvalue().encode()
 
 
@@ -103,7 +101,8 @@ def throughput_plot(run: dict[str, Any]) -> bytes:
     labels = [f"{row['workload']}\nvs {row['baseline']}" for row in rows]
     ratios = [number(row["ratio"]) or 0.0 for row in rows]
     colours = [_VERDICT_COLOUR.get(row["verdict"], "#607d8b") for row in rows]
-    figure, axes = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.2))
+    figure = Figure(figsize=(9, 0.42 * len(rows) + 1.2))
+    axes = figure.subplots()
     positions = range(len(rows))
     axes.barh(positions, ratios, color=colours)
     for at, row in zip(positions, rows, strict=True):
@@ -127,7 +126,8 @@ def light_tenant_plot(run: dict[str, Any]) -> bytes:
     names = [row["workload"].split("light-tenant ")[1].split(" ")[0] for row in rows]  # p50...
     fair = [number(row["ours"]) or 0.0 for row in rows]
     fifo = [number(row["theirs"]) or 0.0 for row in rows]
-    figure, axes = plt.subplots(figsize=(6, 3.2))
+    figure = Figure(figsize=(6, 3.2))
+    axes = figure.subplots()
     width = 0.38
     at = range(len(rows))
     axes.bar([i - width / 2 for i in at], fair, width, label="TenantScheduler (fair)")

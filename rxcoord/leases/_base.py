@@ -273,7 +273,8 @@ class LeaseProvider(Closeable):
         """Take the lease if it is free right now; one round trip, never waits.
 
         Args:
-            name: The lease name (non-empty str, at most 1024 characters).
+            name: The lease name: a non-empty str of at most ``max_name_bytes`` bytes of UTF-8,
+                without NUL.
             at_most_for: Seconds until the lease expires unless extended (> 0).
             at_least_for: Seconds after the grant the name stays taken even if released early
                 (0 <= at_least_for <= at_most_for).
@@ -317,7 +318,10 @@ class LeaseProvider(Closeable):
         reentrant: a holder that acquires its own name again waits for itself.
 
         Args:
-            name, at_most_for, at_least_for, keep_alive: As for :meth:`try_acquire`.
+            name: The lease name, as for :meth:`try_acquire`.
+            at_most_for: As for :meth:`try_acquire`.
+            at_least_for: As for :meth:`try_acquire`.
+            keep_alive: As for :meth:`try_acquire`.
             timeout: Most seconds to wait; None waits as long as it takes, 0 tries once.
 
         Raises:
