@@ -309,7 +309,7 @@ def _stand_ins(directory: Path) -> None:
         (directory / f"{name}.py").write_text(
             "def bench_rows(quick, **options):\n"
             "    if options.get('redis_url') is None:\n"
-            "        options['notes'].append('no redis')\n"
+            "        options['notes'].append(\"no redis (pip install 'rxcoord[redis]')\")\n"
             f"    return [('{name} workload', '10/s', 'baseline', '5/s', '2.00x', '>= 1x'),\n"
             f"            ('{name} small', '1/s', 'baseline', '5/s', '0.20x', '>= 1x', False),\n"
             f"            ('{name} slow', '1/s', 'baseline', '5/s', '0.20x', '>= 1x')]\n"
@@ -345,7 +345,7 @@ def test_bench_prints_one_table_with_a_verdict_per_row(
     for name in BENCHMARKS:
         assert f"{name} workload" in out
     assert "2.00x" in out
-    assert "no redis" in out
+    assert "no redis (pip install 'rxcoord[redis]')" in out  # text, not rich markup
     n = len(BENCHMARKS)
     assert f"goals: {n} met, {n} not met, {n} too small to judge in a --quick run" in out
     assert "bench_extra left out: it needs the module 'module_that_is_not_installed'" in out
@@ -365,7 +365,7 @@ def test_bench_prints_one_table_with_a_verdict_per_row(
         "verdict": "met",
     }
     assert len(run["rows"]) == 3 * n
-    assert "no redis" in run["notes"]
+    assert "no redis (pip install 'rxcoord[redis]')" in run["notes"]
 
 
 @pytest.mark.usefixtures("fresh_bench_modules")

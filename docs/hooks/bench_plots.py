@@ -25,6 +25,7 @@ import matplotlib
 
 # Figure objects, not pyplot: no backend, no global figure state, nothing to close.
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
 from mkdocs.structure.pages import Page
@@ -92,26 +93,32 @@ def _svg(figure: Figure) -> bytes:
 
 
 def throughput_plot(run: dict[str, Any]) -> bytes:
-    """Bars: rxcoord / baseline for every throughput row, the 1x line and each goal."""
+    """Bars from parity to rxcoord / baseline for every throughput row, with each goal."""
     rows = [
         row
         for row in run["rows"]
         if row["ours"].endswith("/s") and row["ratio"].endswith("x") and row["baseline"]
     ]
     labels = [f"{row['workload']}\nvs {row['baseline']}" for row in rows]
-    ratios = [number(row["ratio"]) or 0.0 for row in rows]
+    ratios = [number(row["ratio"]) or 1.0 for row in rows]
     colours = [_VERDICT_COLOUR.get(row["verdict"], "#607d8b") for row in rows]
-    figure = Figure(figsize=(9, 0.42 * len(rows) + 1.2))
+    goals = [number(row["goal"]) if row["goal"].lstrip().startswith(">=") else None for row in rows]
+    figure = Figure(figsize=(9, 0.42 * len(rows) + 1.4))
     axes = figure.subplots()
-    positions = range(len(rows))
-    axes.barh(positions, ratios, color=colours)
-    for at, row in zip(positions, rows, strict=True):
-        goal = number(row["goal"]) if row["goal"].lstrip().startswith(">=") else None
+    positions = list(range(len(rows)))
+    # From 1x (parity) to the ratio, so a bar's length and side say how far and which way.
+    axes.barh(positions, [r - 1.0 for r in ratios], left=1.0, color=colours)
+    for at, goal in zip(positions, goals, strict=True):
         if goal is not None:
             axes.plot([goal, goal], [at - 0.4, at + 0.4], color="black", linewidth=1.5)
-    axes.axvline(1.0, color="#9e9e9e", linestyle="--", linewidth=1)
+    axes.axvline(1.0, color="#616161", linewidth=1)
     axes.set_xscale("log")
-    axes.set_yticks(list(positions), labels, fontsize=7)
+    extent = [*ratios, *(g for g in goals if g is not None), 1.0]
+    axes.set_xlim(min(extent) / 1.4, max(extent) * 1.4)
+    axes.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}x"))
+    axes.xaxis.set_minor_formatter(NullFormatter())
+    axes.set_yticks(positions, labels, fontsize=7)
     axes.invert_yaxis()
     axes.set_xlabel("rxcoord / baseline (log scale; black ticks: goals; green met, red not met)")
     axes.set_title("Throughput against the baselines")
@@ -126,20 +133,21 @@ def light_tenant_plot(run: dict[str, Any]) -> bytes:
     names = [row["workload"].split("light-tenant ")[1].split(" ")[0] for row in rows]  # p50...
     fair = [number(row["ours"]) or 0.0 for row in rows]
     fifo = [number(row["theirs"]) or 0.0 for row in rows]
-    figure = Figure(figsize=(6, 3.2))
+    figure = Figure(figsize=(6, 3.6))
     axes = figure.subplots()
     width = 0.38
     at = range(len(rows))
-    axes.bar([i - width / 2 for i in at], fair, width, label="TenantScheduler (fair)")
+    axes.bar([i - width / 2 for i in at], fair, width, label="TenantScheduler (fair shares)")
     axes.bar([i + width / 2 for i in at], fifo, width, label=rows[0]["baseline"])
     for i, (ours, theirs) in enumerate(zip(fair, fifo, strict=True)):
         axes.annotate(f"{ours:,.0f} ms", (i - width / 2, ours), ha="center", va="bottom")
         axes.annotate(f"{theirs:,.0f} ms", (i + width / 2, theirs), ha="center", va="bottom")
-    axes.set_yscale("log")
+    axes.set_ylim(0, max(fifo + fair) * 1.15)
     axes.set_xticks(list(at), names)
-    axes.set_ylabel("latency of the light tenants' jobs (ms, log)")
-    axes.set_title(rows[0]["workload"].split(" (")[1].rstrip(")").capitalize())
-    axes.legend(loc="upper left", fontsize=8)
+    axes.set_ylabel("latency (ms)")
+    flood = rows[0]["workload"].split("(")[-1].rstrip(")")
+    axes.set_title(f"Light tenants' jobs after a {flood}")
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
     return _svg(figure)
 
 

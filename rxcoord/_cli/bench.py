@@ -222,6 +222,7 @@ def run_benchmarks(
         ValueError: ``only`` names no benchmark.
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     directory = benchmarks_directory()
@@ -276,13 +277,10 @@ def run_benchmarks(
             verdict = judge(row, quick=quick)
             verdicts.append(verdict)
             judged_rows.append({"benchmark": name, **dataclasses.asdict(row), "verdict": verdict})
+            # The scripts' text is data, not markup ("[bench]" would vanish as a tag).
             table.add_row(
-                row.workload,
-                row.ours,
-                row.baseline,
-                row.theirs,
-                row.ratio,
-                row.goal,
+                *map(escape, (row.workload, row.ours, row.baseline, row.theirs, row.ratio)),
+                escape(row.goal),
                 _STYLE[verdict],
             )
         table.add_section()
@@ -299,7 +297,7 @@ def run_benchmarks(
         + (f", {judged.count('unreadable goal')} unreadable" if "unreadable goal" in judged else "")
     )
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
     seconds = time.perf_counter() - started
     console.print(f"done in {seconds:.0f} s")
     if json_path is not None:
