@@ -33,7 +33,36 @@ from typing import Protocol, runtime_checkable
 
 from ._core.waiter import PENDING, Waiter
 
-__all__ = ["Admission", "AdmissionTicket", "FairShareGate"]
+__all__ = ["Admission", "AdmissionTicket", "FairShareGate", "Permit"]
+
+
+class Permit:
+    """Base class of a permit with a life of its own: it may lapse while its job runs.
+
+    An admission may grant any object as a permit (``None`` included). When it grants an
+    instance of this class, the coordinator also calls, on the job's thread or task:
+
+    * :meth:`enter` right before the job runs, in the job's context (say, to make itself what
+      :func:`~rxcoord.current_permit` returns), and :meth:`exit` with its token right after;
+    * :meth:`check` once the job's work has ended without an error: raising there (say,
+      :class:`~rxcoord.LeaseLost` for a permit that lapsed meanwhile) fails the job with that
+      error instead of delivering its result, since the work may have overlapped a newer
+      holder's.
+
+    The defaults do nothing.
+    """
+
+    __slots__ = ()
+
+    def enter(self) -> object:
+        """Called right before the job runs, in its context; a token for :meth:`exit`."""
+        return None
+
+    def exit(self, token: object) -> None:
+        """Called right after the job's call returned (or its awaitable finished)."""
+
+    def check(self) -> None:
+        """Raise if the permit no longer covers the job's work (it then fails with that)."""
 
 
 class AdmissionTicket:

@@ -37,15 +37,15 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from loguru import logger
 
-from ._admission import Admission, AdmissionTicket
+from ._admission import Admission, AdmissionTicket, Permit
 from ._core.checks import check_count, check_length, check_weight
 from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
@@ -78,7 +78,7 @@ def current_permit() -> FleetPermit | None:
     return _current.get()
 
 
-class FleetPermit:
+class FleetPermit(Permit):
     """One fleet permit held by one job: a fencing token and an expiry.
 
     Attributes:
@@ -108,6 +108,13 @@ class FleetPermit:
                 "reclaimed before its job ended (a paused or partitioned process, or a "
                 "keep-alive that failed): the job's work may overlap another holder's"
             )
+
+    def enter(self) -> object:
+        """Make this the permit :func:`current_permit` returns (in the job's context)."""
+        return _current.set(self)
+
+    def exit(self, token: object) -> None:
+        _current.reset(token)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return f"<FleetPermit token={self.token} tenant={self.tenant!r} valid={self.valid}>"
@@ -631,26 +638,3 @@ class _LaneAdmission:
     @property
     def fleet(self) -> FleetAdmission:
         return self._fleet
-
-
-def with_permit(job: Callable[[], Any], permit: FleetPermit, is_async: bool) -> Callable[[], Any]:
-    """``job`` run with :func:`current_permit` returning ``permit``."""
-    if is_async:
-
-        async def run_async() -> Any:
-            reset = _current.set(permit)
-            try:
-                return await job()
-            finally:
-                _current.reset(reset)
-
-        return run_async
-
-    def run() -> Any:
-        reset = _current.set(permit)
-        try:
-            return job()
-        finally:
-            _current.reset(reset)
-
-    return run

@@ -27,20 +27,21 @@ enter it, so eviction can never close a coordinator under a job that is being su
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple, overload
 
 from loguru import logger
-from reactivex import Observable, abc
+from reactivex import abc
 from reactivex.disposable import Disposable
 
 from ._admission import FairShareGate
-from ._coordinator import CoordinatorStats, TenantTaskCoordinator
+from ._coordinator import CoordinatorStats, Execution, TenantTaskCoordinator
+from ._coordinator._execution import execution
+from ._coordinator._facade import Overflow
 from ._core.checks import (
     check_count,
     check_deadline,
@@ -54,7 +55,6 @@ from ._core.lifecycle import Closeable, CoordinatorState
 from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
 from ._errors import CoordinatorClosed
-from ._execution import Execution, execution
 from ._fleet import FleetAdmission, FleetStats
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerStats", "TenantScheduler"]
 
 _T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
 
 Weights = Mapping[Hashable, float] | Callable[[Hashable], float]
 
@@ -171,7 +172,7 @@ class TenantScheduler(Closeable):
         weights: Weights | None = None,
         idle_timeout: float = 0.0,
         name: str = "",
-        overflow: str = "reject",
+        overflow: Overflow = "reject",
         fleet: LeaseProvider | None = None,
         permit_at_most_for: float = 30.0,
     ) -> None:
@@ -238,46 +239,78 @@ class TenantScheduler(Closeable):
     def execute(
         self,
         tenant: Hashable,
-        job: Callable[[], Awaitable[_T]],
-        *,
+        fn: Callable[[*_Ts], Awaitable[_T]],
+        /,
+        *args: *_Ts,
         key: Hashable | None = None,
         timeout: float | None = None,
-        overflow: str | None = None,
-    ) -> Observable[_T]: ...
+        overflow: Overflow | None = None,
+    ) -> Execution[_T]: ...
 
     @overload
     def execute(
         self,
         tenant: Hashable,
-        job: Callable[[], _T],
-        *,
+        fn: Callable[[*_Ts], _T],
+        /,
+        *args: *_Ts,
         key: Hashable | None = None,
         timeout: float | None = None,
-        overflow: str | None = None,
-    ) -> Observable[_T]: ...
+        overflow: Overflow | None = None,
+    ) -> Execution[_T]: ...
 
+    # No arguments, any callable: mypy cannot infer ``lambda n=n: work(n)`` against
+    # ``Callable[[], ...]`` (a lambda's defaults need a context with parameters), so such a job
+    # would be a false alarm above. The call itself is still checked at run time.
+    @overload
     def execute(
         self,
         tenant: Hashable,
-        job: Callable[[], Any],
+        fn: Callable[..., Awaitable[_T]],
+        /,
         *,
         key: Hashable | None = None,
         timeout: float | None = None,
-        overflow: str | None = None,
-    ) -> Observable[Any]:
-        """Return a cold Observable that runs ``job`` for ``tenant`` once per subscription.
+        overflow: Overflow | None = None,
+    ) -> Execution[_T]: ...
+
+    @overload
+    def execute(
+        self,
+        tenant: Hashable,
+        fn: Callable[..., _T],
+        /,
+        *,
+        key: Hashable | None = None,
+        timeout: float | None = None,
+        overflow: Overflow | None = None,
+    ) -> Execution[_T]: ...
+
+    def execute(  # type: ignore[misc]  # mypy: an Any-typed *args "misses" the *_Ts of the above
+        self,
+        tenant: Hashable,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        key: Hashable | None = None,
+        timeout: float | None = None,
+        overflow: Overflow | None = None,
+    ) -> Execution[Any]:
+        """Return a cold Observable that runs ``fn(*args)`` for ``tenant`` once per
+        subscription (or ``await``).
 
         Same contract as :meth:`TenantTaskCoordinator.execute`, within the tenant's limits and
         the global limit.
 
         Raises:
-            TypeError: ``tenant`` or ``key`` is unhashable, ``job`` is not callable, or
-                ``timeout`` is not a number.
-            ValueError: ``timeout`` is not positive.
+            TypeError: ``tenant`` or ``key`` is unhashable, ``fn`` is not callable or cannot
+                be called with ``args``, or ``timeout`` is not a number.
+            ValueError: ``timeout`` is not positive, ``overflow`` not one of the two strings.
         """
         check_hashable(tenant, "tenant")  # an unhashable tenant fails here, at the call
-        submit = functools.partial(self._submit, tenant)
-        return execution(submit, job, key, timeout, self._timeout, overflow)
+        return execution(
+            _TenantOwner(self, tenant), fn, args, key, timeout, self._timeout, overflow
+        )
 
     @overload
     def stats(self) -> SchedulerStats: ...
@@ -409,49 +442,63 @@ class TenantScheduler(Closeable):
 
     # -- submission and eviction ---------------------------------------------------------------
 
-    def _submit(
-        self,
-        tenant: Hashable,
-        job: Callable[[], Any],
-        key: Hashable | None,
-        timeout: float | None,
-        is_async: bool,
-        wait: bool | None,
-        observer: abc.ObserverBase[Any],
-        scheduler: abc.SchedulerBase | None,
-    ) -> abc.DisposableBase:
-        entry: _Tenant | None = None
+    def _enter(self, tenant: Hashable) -> _Tenant:
+        """Pin ``tenant``'s live state (made if new) while a submission enters it.
+
+        Raises:
+            CoordinatorClosed: the scheduler is closed.
+            TypeError, ValueError: the tenant's weight (from a callable) is bad.
+        """
         with self._lock:
             if self._state is not CoordinatorState.OPEN:
                 self._retired["submitted"] += 1
                 self._retired["rejected"] += 1
-                error: Exception = CoordinatorClosed(f"tenant scheduler {self._name!r} is closed")
-            else:
-                entry = self._tenants.get(tenant)
-                if entry is None:
-                    try:
-                        entry = self._new_tenant(tenant)
-                    except (TypeError, ValueError) as exc:  # a bad weight for this tenant
-                        error = exc
-                if entry is not None:
-                    entry.pins += 1
-        if entry is None:
-            observer.on_error(error)
-            return Disposable()
-        coordinator = entry.coordinator
+                raise CoordinatorClosed(f"tenant scheduler {self._name!r} is closed")
+            entry = self._tenants.get(tenant)
+            if entry is None:
+                entry = self._new_tenant(tenant)
+            entry.pins += 1
+            return entry
+
+    def _leave(self, entry: _Tenant) -> None:
+        """The submission has entered (or was refused by) the tenant's coordinator."""
+        with self._lock:
+            entry.pins -= 1
+            idle = not entry.pins and not entry.coordinator.work_in_progress
+        if idle:  # refused, or done already: nobody else will notice it went idle
+            self._tenant_idle(entry)
+
+    def _subscribe(
+        self,
+        tenant: Hashable,
+        execution: Execution[Any],
+        observer: abc.ObserverBase[Any],
+        scheduler: abc.SchedulerBase | None,
+    ) -> abc.DisposableBase:
         try:
-            overflow = None if wait is None else ("wait" if wait else "reject")
-            submission = cast(
-                Execution[Any],
-                coordinator.execute(job, key=key, timeout=timeout, overflow=overflow),
-            )
-            return submission.submit(observer, scheduler)
+            entry = self._enter(tenant)
+        except (CoordinatorClosed, TypeError, ValueError) as exc:  # closed, or a bad weight
+            observer.on_error(exc)
+            return Disposable()
+        try:
+            return entry.coordinator._subscribe(execution, observer, scheduler)
         finally:
-            with self._lock:
-                entry.pins -= 1
-                idle = not entry.pins and not coordinator.work_in_progress
-            if idle:  # refused, or done already: nobody else will notice it went idle
-                self._tenant_idle(entry)
+            self._leave(entry)
+
+    async def _await(self, tenant: Hashable, execution: Execution[Any]) -> Any:
+        entry = self._enter(tenant)
+        left = False
+
+        def entered() -> None:
+            nonlocal left
+            left = True
+            self._leave(entry)
+
+        try:
+            return await entry.coordinator._await(execution, entered)
+        finally:
+            if not left:  # failed before it was counted
+                self._leave(entry)
 
     def _new_tenant(self, tenant: Hashable) -> _Tenant:
         weight: Any = 1.0
@@ -518,3 +565,24 @@ class TenantScheduler(Closeable):
         for field in self._retired:
             self._retired[field] += getattr(snapshot, field)
         self._evicted += evicted
+
+
+class _TenantOwner:
+    """The owner of a tenant's executions: the scheduler, seen through that tenant."""
+
+    __slots__ = ("scheduler", "tenant")
+
+    def __init__(self, scheduler: TenantScheduler, tenant: Hashable) -> None:
+        self.scheduler = scheduler
+        self.tenant = tenant
+
+    def _subscribe(
+        self,
+        execution: Execution[Any],
+        observer: abc.ObserverBase[Any],
+        scheduler: abc.SchedulerBase | None,
+    ) -> abc.DisposableBase:
+        return self.scheduler._subscribe(self.tenant, execution, observer, scheduler)
+
+    def _await(self, execution: Execution[Any]) -> Coroutine[Any, Any, Any]:
+        return self.scheduler._await(self.tenant, execution)

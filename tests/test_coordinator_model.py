@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from reactivex import abc
 
 from rxcoord import TenantTaskCoordinator
+from rxcoord._coordinator._table import TaskTable
 
 MAX_CONCURRENCY = 2
 MAX_QUEUE = 3
@@ -116,12 +117,12 @@ def test_random_workloads_with_a_purge_on_every_cancel(ops: list[tuple[Any, ...]
     # Tasks cancelled while queued are purged from the pipeline once they outnumber the live
     # ones (and at least 64). Here every such cancel purges, so a purge that lost a live task,
     # reordered a key or broke the accounting fails the same checks.
-    due = TenantTaskCoordinator._purge_due
-    TenantTaskCoordinator._purge_due = lambda self: True  # type: ignore[method-assign]
+    due = TaskTable._purge_due
+    TaskTable._purge_due = lambda self: True  # type: ignore[method-assign]
     try:
         run_workload(ops)
     finally:
-        TenantTaskCoordinator._purge_due = due  # type: ignore[method-assign]
+        TaskTable._purge_due = due  # type: ignore[method-assign]
 
 
 def run_workload(ops: list[tuple[Any, ...]]) -> None:

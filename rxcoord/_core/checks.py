@@ -29,12 +29,14 @@ and deadlines are capped at :data:`MAX_SECONDS` (what threads and the timer can 
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Hashable
 from typing import Final
 
 __all__ = [
     "MAX_SECONDS",
+    "check_cap",
     "check_count",
     "check_deadline",
     "check_delay",
@@ -140,6 +142,22 @@ def check_count(value: object, what: str, minimum: int) -> int:
         raise TypeError(f"{what} must be an int, not {value!r}")
     if value < minimum:
         raise ValueError(f"{what} must be at least {minimum}, got {value}")
+    return value
+
+
+def check_cap(value: object, what: str) -> int:
+    """A cap on things at once: an ``int`` of at least 1, or None for no cap (``sys.maxsize``).
+
+    Raises:
+        TypeError: Neither an int nor None.
+        ValueError: Below 1.
+    """
+    if value is None:
+        return sys.maxsize
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int or None, not {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be at least 1 (or None for no limit), got {value}")
     return value
 
 

@@ -1,0 +1,1190 @@
+"""TenantTaskCoordinator: Reactor's per-tenant coordinator, ported to RxPY and made correct.
+
+Its meaning is the Reactor composition the project started from, kept as a public reference in
+``_reference.py`` (:class:`~rxcoord.ReactorCoordinator`): a Subject as the task sink ->
+``serialize_by_key(key, run, max_concurrent)`` -> each job under its timeout -> the WIP counter
+with ``TooManyTasks``. A differential test in virtual time proves this class equivalent to it.
+This class is the same thing without an Observable per job. The path of a job, in this file's
+order::
+
+    execute ──► count ──► order ──► admit ──► guard ──► run ──► end ──► deliver
+    (_execution) (the task table: WIP, lanes) (Admission) (KeyGuard) (runner) (table) (observer)
+
+* **count and order** - :class:`~._table.TaskTable`, pure state behind the coordinator's one
+  lock: the work-in-progress limit (``TooManyTasks``, or ``overflow="wait"``), per-key lanes
+  and the cap (``rxcoord._core.lanes``). Every event returns the tasks whose turn came; they
+  are started after the lock is let go (``_turn``).
+* **admit** - an optional :class:`~rxcoord.Admission` (a tenant scheduler's fair-share gate, a
+  fleet, a rate) is asked for a permit when a task's turn comes (``_ask``); a permit with a life
+  of its own (:class:`~rxcoord.Permit`) is entered around the job and checked at its end.
+* **guard** - an optional :class:`~rxcoord.KeyGuard` (``leases=``) a keyed job enters on its own
+  thread or task right before it runs, and exits when its work has ended.
+* **run** - a sync job on a runner (``_runners``: worker threads, an asyncio loop, a
+  scheduler), in a copy of its submitter's context; an async job (or the awaitable a sync job
+  returned) on an asyncio loop, inside the awaiting task when awaited (``_await``: the one
+  awaited path, no task per job), else in a task of its own (``_run_async``); what else a job
+  returns (an Observable, a ``concurrent.futures.Future``) runs to its end through the shared
+  job-shape runner (``rxcoord._core.jobs``).
+* **end and deliver** - ``_end``: the table frees the key and the slot and starts the next
+  tasks, the permit goes back, then the outcome is delivered (on the subscriber's loop if it
+  subscribed on one).
+
+Cancellation (a dispose, a timeout, a close) decides the outcome first (``TaskTable.settle``)
+and then stops the work: a queued job never starts; an async job is cancelled on its loop; a
+sync job's thread cannot be stopped, so it keeps its slot until it returns and its result is
+dropped. Where the port diverges from Reactor, correctness demands it:
+
+* a cancelled sync job keeps its slot until its thread returns (Reactor frees it at once and runs
+  more than ``maxConcurrency`` jobs);
+* WIP is decremented *before* the result is delivered, so a caller resubmitting from its callback
+  is not refused spuriously; a task cancelled while queued leaves the counters at once (Reactor
+  leaked its WIP slot); a failing scheduler or loop fails the task's subscriber;
+* job timeouts use one timer thread for the whole process (``rxcoord._core.timer``), or the
+  virtual scheduler's clock in virtual time;
+* a subscriber whose ``on_next`` raises is logged; it cannot break the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import threading
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, TypeVarTuple, cast, overload
+
+from loguru import logger
+from reactivex import abc
+from reactivex.disposable import Disposable
+from reactivex.scheduler import VirtualTimeScheduler
+from reactivex.scheduler.eventloop import AsyncIOScheduler
+
+from .._admission import Admission, AdmissionTicket, Permit
+from .._core.checks import check_count, check_deadline, check_length, check_name, check_overflow
+from .._core.lifecycle import Closeable, CoordinatorState
+from .._core.timer import call_later
+from .._core.waiter import GRANTED, PENDING
+from .._core.workers import WorkerPool, hand_off
+from .._errors import CoordinatorClosed, TooManyTasks
+from .._fleet import FleetAdmission, FleetStats
+from .._key_guard import KeyGuard, LeaseKeyGuard
+from ._execution import Execution, execution, forget, remember
+from ._runners import LoopRunner, Runner, SchedulerRunner, WorkerRunner, spawn
+from ._table import (
+    CANCELLED,
+    CLOSED,
+    DONE,
+    GATED,
+    QUEUED,
+    RETRYING,
+    RUNNING,
+    TIMED_OUT,
+    WAITING,
+    TaskTable,
+)
+from ._task import STREAMED, Task, Work
+
+if TYPE_CHECKING:
+    from ..leases import LeaseProvider
+
+__all__ = ["CoordinatorStats", "TenantTaskCoordinator"]
+
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
+
+Overflow = Literal["reject", "wait"]
+
+_get_running_loop: Final = asyncio._get_running_loop  # no exception when none (every job asks)
+_current_task: Final = asyncio.current_task
+_NO_TOKEN: Final = object()  # a job that entered no key guard
+_NO_LOOP: Final = (
+    "an async job (or a job that returns an awaitable) needs a running asyncio loop: "
+    "subscribe from asyncio code (e.g. `await coordinator.execute(job)`) or pass "
+    "scheduler=AsyncIOScheduler(loop)"
+)
+# Exact types of values that are a job's result as they are (not work to run to its end).
+_PLAIN: Final = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorStats:
+    """A consistent snapshot of a coordinator's counters.
+
+    Every subscription to ``execute`` (and every ``await``) is ``submitted``; it ends as exactly
+    one of ``rejected`` (refused at once: ``TooManyTasks`` or ``CoordinatorClosed``),
+    ``completed``, ``failed`` (the job raised, or could not be started), ``cancelled`` (the
+    subscriber disposed, or the coordinator closed) or ``timed_out`` - or it is still pending.
+    ``work_in_progress`` is ``queued + running``; a cancelled sync job stays ``running`` until
+    its thread returns. ``queued`` counts jobs waiting for their turn or their admission's
+    permit. ``waiting`` counts submissions beyond the limits waiting for room
+    (``overflow="wait"``): not work in progress yet. ``fleet`` is the fleet admission's
+    snapshot (fleet-wide running counts as last seen from the store) with ``fleet=``.
+    """
+
+    name: str
+    submitted: int
+    completed: int
+    failed: int
+    rejected: int
+    cancelled: int
+    timed_out: int
+    queued: int
+    running: int
+    max_concurrency: int
+    max_queue_size: int
+    waiting: int = 0
+    fleet: FleetStats | None = None
+
+    @property
+    def work_in_progress(self) -> int:
+        """Jobs queued or running."""
+        return self.queued + self.running
+
+
+class TenantTaskCoordinator(Closeable):
+    """Runs jobs with a concurrency limit, a bounded queue, per-key ordering and cancellation.
+
+    ``execute(fn, *args)`` returns a cold Observable: each subscription submits ``fn(*args)``
+    once; it emits the job's return value and completes, or errors with the job's own
+    exception. ``await`` it for the value. Subscribing counts the job as work in progress;
+    beyond ``max_concurrency + max_queue_size`` the subscriber gets :class:`TooManyTasks` at
+    once (or waits for room, with ``overflow="wait"``). At most ``max_concurrency`` jobs run at
+    any moment, also while a cancelled sync job is still running. Jobs with equal ``key`` run
+    one at a time in submission order. Disposing the subscription (or cancelling the awaiting
+    task) cancels: a queued job never starts; a running async job gets
+    ``asyncio.CancelledError``; a running sync job's result is discarded (its thread cannot be
+    stopped, so it keeps its slot until it returns).
+
+    Where a job runs: ``async def`` functions (and partials of them, and ``lambda: handle(m)``
+    once such a lambda has shown it returns an awaitable) on the asyncio loop where the job was
+    awaited or subscribed (or the loop of an ``AsyncIOScheduler`` given as ``scheduler``), inside
+    the awaiting task when awaited; everything else on ``scheduler`` (by default worker threads
+    the coordinator owns, at most ``max_concurrency``, shut down by :meth:`close`), never on a
+    loop's thread. A job returning an Observable runs until it ends, its items forwarded. Every
+    job runs in a copy of its submitter's ``contextvars`` context. Subscribers that subscribe on
+    a running loop get their results on it, so ``await coordinator.execute(job)`` works, and so
+    does ``execute(job).run()``.
+
+    The coordinator is thread-safe, a context manager and a ``reactivex`` Disposable
+    (``dispose()`` is :meth:`close`). Every parameter is keyword-only.
+
+    Args:
+        scheduler: Where sync jobs run; ``None`` for an owned pool of worker threads.
+        max_concurrency: Most jobs running at once (>= 1).
+        max_queue_size: Most jobs waiting beyond those running (>= 0).
+        name: Names the coordinator in errors, logs, thread names and lease names.
+        timeout: Default per-job timeout in seconds, counted from the job's start; ``None`` (or
+            ``inf``) for none. On expiry the subscriber gets ``TimeoutError`` and the job is
+            cancelled. (0 is refused: see ``rxcoord._core.checks`` for the one policy.)
+        leases: A distributed lease provider (``rxcoord.leases``): keyed jobs then also hold
+            the lease named ``"<name>:<key>"`` while they run, so per-key exclusion holds
+            across processes (needs a ``name``). Shorthand for
+            ``key_guard=LeaseKeyGuard(leases, name, ...)``.
+        lease_at_most_for: ``at_most_for`` of those leases (kept alive while the job runs).
+        key_guard: A :class:`~rxcoord.KeyGuard` every keyed job enters right before it runs
+            and exits when its work has ended (not with ``leases``).
+        admission: An :class:`~rxcoord.Admission` asked for a permit each time a job's turn
+            comes; the job runs once granted (counted as queued until then). ``None``: only
+            this coordinator's own limits apply.
+        fleet: A lease provider (``rxcoord.leases``): ``max_concurrency`` then holds across
+            every coordinator with the same ``name`` (required) on the same store, in any
+            process (see :class:`~rxcoord.FleetAdmission`). Not with ``admission``.
+        permit_at_most_for: With ``fleet``: seconds a fleet permit outlives its last renewal
+            (renewed while its job runs), i.e. the most a crashed process keeps its slots. A
+            job whose permit lapsed (its process was paused past it) fails with ``LeaseLost``.
+        on_idle: Called (outside the coordinator's lock, on the thread that finished the last
+            job) each time the work in progress drops to zero.
+        log_context: Extra fields bound to the coordinator's log records (loguru ``extra``),
+            e.g. ``{"tenant": tenant}``.
+        overflow: What a submission beyond ``max_concurrency + max_queue_size`` gets:
+            ``"reject"`` (``TooManyTasks`` at once, the default) or ``"wait"`` (it waits for
+            room in FIFO order: ``await`` suspends, ``.run()`` blocks, a subscription is
+            admitted later; disposing it withdraws it). ``execute(overflow=...)`` overrides it
+            per call.
+
+    Raises:
+        TypeError: an argument has the wrong type (``leases`` not a lease provider, ``name``
+            not a str, ...).
+        ValueError: a limit or a duration is out of range, both ``leases`` and ``key_guard``
+            (or ``fleet`` and ``admission``) are given, or ``leases``/``fleet`` without a name.
+    """
+
+    def __init__(
+        self,
+        *,
+        scheduler: abc.SchedulerBase | None = None,
+        max_concurrency: int = 1,
+        max_queue_size: int = 50,
+        name: str = "",
+        timeout: float | None = None,
+        leases: LeaseProvider | None = None,
+        lease_at_most_for: float = 30.0,
+        key_guard: KeyGuard | None = None,
+        admission: Admission | None = None,
+        fleet: LeaseProvider | None = None,
+        permit_at_most_for: float = 30.0,
+        on_idle: Callable[[], object] | None = None,
+        log_context: Mapping[str, Any] | None = None,
+        overflow: Overflow = "reject",
+    ) -> None:
+        self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
+        self._max_queue_size = check_count(max_queue_size, "max_queue_size", 0)
+        self._name = check_name(name)
+        self._timeout = check_deadline(timeout)
+        self._wait = check_overflow(overflow)
+        self._log = logger.bind(coordinator=name, **(log_context or {}))
+        lease_for = check_length(lease_at_most_for, "lease_at_most_for")
+        if leases is not None:
+            if key_guard is not None:
+                raise ValueError("pass leases= or key_guard=, not both")
+            key_guard = LeaseKeyGuard(leases, name, lease_for)
+        self._guard = key_guard
+        if admission is not None and not isinstance(admission, Admission):
+            raise TypeError(
+                f"admission must implement rxcoord.Admission (request, withdraw, release), "
+                f"not {admission!r}"
+            )
+        permit_for = check_length(permit_at_most_for, "permit_at_most_for")
+        self._fleet: FleetAdmission | None = None
+        if fleet is not None:
+            if admission is not None:
+                raise ValueError("pass fleet= or admission=, not both")
+            # Every coordinator named like this one on the same store shares max_concurrency.
+            self._fleet = FleetAdmission(
+                fleet, name, max_concurrency, permit_at_most_for=permit_for
+            )
+            admission = self._fleet.lane(name)
+        self._admission = admission
+        if on_idle is not None and not callable(on_idle):
+            raise TypeError(f"on_idle must be callable or None, not {on_idle!r}")
+        self._on_idle = on_idle
+        self._idle_callbacks: list[Callable[[], object]] = []  # a draining close waits here
+
+        self._lock = threading.Lock()
+        self._table = TaskTable(max_concurrency, max_queue_size, gated=admission is not None)
+        self._state = CoordinatorState.OPEN
+        self._closing = False  # close() has begun settling (after a drain, or at once)
+
+        # Where sync jobs run, and the loop async jobs run on when it is not the caller's.
+        self._pool: WorkerPool | None = None
+        self._scheduler_loop: asyncio.AbstractEventLoop | None = None
+        self._virtual: VirtualTimeScheduler | None = None  # timeouts on its clock
+        self._runner: Runner
+        if scheduler is None:
+            self._pool = WorkerPool(max_concurrency, f"rxcoord-{name or 'coordinator'}")
+            self._runner = WorkerRunner(self._pool)
+        elif isinstance(scheduler, WorkerPool):  # internal: a pool shared with its owner
+            self._runner = WorkerRunner(scheduler)
+        elif isinstance(scheduler, AsyncIOScheduler):
+            self._scheduler_loop = scheduler._loop
+            self._runner = LoopRunner(scheduler._loop)
+        elif isinstance(scheduler, abc.SchedulerBase):
+            if isinstance(scheduler, VirtualTimeScheduler):
+                self._virtual = scheduler
+            self._runner = SchedulerRunner(scheduler)
+        else:
+            raise TypeError(f"scheduler must be a reactivex scheduler or None, not {scheduler!r}")
+
+    # -- public API --------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The coordinator's name."""
+        return self._name
+
+    @property
+    def max_concurrency(self) -> int:
+        """Most jobs running at once."""
+        return self._max_concurrency
+
+    @property
+    def max_queue_size(self) -> int:
+        """Most jobs waiting beyond those running."""
+        return self._max_queue_size
+
+    @property
+    def state(self) -> CoordinatorState:
+        """Open, closing or closed."""
+        return self._state
+
+    @property
+    def work_in_progress(self) -> int:
+        """Jobs queued or running (never more than ``max_concurrency + max_queue_size``)."""
+        with self._lock:
+            return self._table.wip
+
+    @property
+    def running(self) -> int:
+        """Jobs running now, including cancelled sync jobs whose thread has not returned."""
+        return self._table.counts[RUNNING]
+
+    @property
+    def queued(self) -> int:
+        """Jobs accepted and waiting for their turn (or their admission's permit)."""
+        counts = self._table.counts
+        return counts[QUEUED] + counts[GATED] + counts[RETRYING]
+
+    def stats(self) -> CoordinatorStats:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            table = self._table
+            counts = table.counts
+            return CoordinatorStats(
+                name=self._name,
+                submitted=table.submitted,
+                completed=table.completed,
+                failed=table.failed,
+                rejected=table.rejected,
+                cancelled=table.cancelled,
+                timed_out=table.timed_out,
+                queued=counts[QUEUED] + counts[GATED] + counts[RETRYING],
+                running=counts[RUNNING],
+                max_concurrency=self._max_concurrency,
+                max_queue_size=self._max_queue_size,
+                waiting=counts[WAITING],
+                fleet=None if self._fleet is None else self._fleet.stats(),
+            )
+
+    @overload
+    def execute(
+        self,
+        fn: Callable[[*_Ts], Awaitable[_T]],
+        /,
+        *args: *_Ts,
+        key: Hashable | None = None,
+        timeout: float | None = None,
+        overflow: Overflow | None = None,
+    ) -> Execution[_T]: ...
+
+    @overload
+    def execute(
+        self,
+        fn: Callable[[*_Ts], _T],
+        /,
+        *args: *_Ts,
+        key: Hashable | None = None,
+        timeout: float | None = None,
+        overflow: Overflow | None = None,
+    ) -> Execution[_T]: ...
+
+    # No arguments, any callable: mypy cannot infer ``lambda n=n: work(n)`` against
+    # ``Callable[[], ...]`` (a lambda's defaults need a context with parameters), so such a job
+    # would be a false alarm above. The call itself is still checked at run time.
+    @overload
+    def execute(
+        self,
+        fn: Callable[..., Awaitable[_T]],
+        /,
+        *,
+        key: Hashable | None = None,
+        timeout: float | None = None,
+        overflow: Overflow | None = None,
+    ) -> Execution[_T]: ...
+
+    @overload
+    def execute(
+        self,
+        fn: Callable[..., _T],
+        /,
+        *,
+        key: Hashable | None = None,
+        timeout: float | None = None,
+        overflow: Overflow | None = None,
+    ) -> Execution[_T]: ...
+
+    def execute(  # type: ignore[misc]  # mypy: an Any-typed *args "misses" the *_Ts of the above
+        self,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        key: Hashable | None = None,
+        timeout: float | None = None,
+        overflow: Overflow | None = None,
+    ) -> Execution[Any]:
+        """Return a cold Observable that runs ``fn(*args)`` under this coordinator once per
+        subscription (or ``await``).
+
+        Args:
+            fn: The job: a callable (runs on the scheduler) or an ``async def`` function
+                (awaited on the loop where it was awaited or subscribed, or the
+                AsyncIOScheduler's); see the class docstring for which shapes run where.
+            *args: Positional arguments for ``fn`` (``execute(handle, message)``, the
+                ``start_soon(fn, *args)`` convention of anyio and trio).
+            key: Jobs with equal keys run one at a time in submission order; ``None`` for no
+                ordering.
+            timeout: Seconds the job may run, counted from its start; overrides the
+                coordinator's default.
+            overflow: ``"reject"`` or ``"wait"`` for this call; ``None``: the coordinator's.
+
+        Returns:
+            An Observable emitting the job's result once, or erroring with the job's exception,
+            ``TooManyTasks``, ``CoordinatorClosed`` or ``TimeoutError``; awaitable for the
+            result.
+
+        Raises:
+            TypeError: ``fn`` is not callable or cannot be called with ``args``, ``key`` is
+                unhashable, or ``timeout`` is not a number.
+            ValueError: ``timeout`` is not positive, ``overflow`` not one of the two strings.
+        """
+        return execution(self, fn, args, key, timeout, self._timeout, overflow)
+
+    def close(self, wait: bool = True, *, drain: bool = False) -> None:
+        """Close the coordinator; idempotent.
+
+        New subscriptions fail with ``CoordinatorClosed``, and so do submissions waiting for
+        room (``overflow="wait"``). With ``drain=False`` (the default) queued and running jobs
+        fail with it too (running async jobs are cancelled, running sync jobs' results are
+        discarded: a thread cannot be stopped). With ``drain=True`` every accepted job, queued
+        or running, runs to its end and delivers its result first; this blocks until then, so
+        on an event loop running async jobs of this coordinator use :meth:`aclose`.
+        The owned worker threads are shut down; with ``wait`` this returns once they have all
+        exited, which means once running sync jobs have returned.
+
+        Raises:
+            RuntimeError: ``drain=True`` on the event loop that runs this coordinator's async
+                jobs while any is live (they could never finish): use ``await aclose(drain=True)``.
+        """
+        if drain:
+            loop = _get_running_loop()
+            with self._lock:
+                blocked = loop is not None and any(
+                    t.job_loop is loop for t in self._table.lanes.items()
+                )
+            if blocked:
+                raise RuntimeError(
+                    "close(drain=True) would block the event loop its async jobs need: "
+                    "use `await coordinator.aclose(drain=True)`"
+                )
+            idle = threading.Event()
+            if self._start_draining(idle.set):
+                idle.wait()
+        self._close(wait)
+
+    async def aclose(self, *, drain: bool = False) -> None:
+        """:meth:`close` for asyncio code: never blocks the loop.
+
+        It awaits what ``close`` would wait for (the drained jobs, the worker threads) instead
+        of blocking the loop's thread. ``drain`` as for :meth:`close`.
+        """
+        loop = asyncio.get_running_loop()
+        if drain:
+            drained: asyncio.Future[None] = loop.create_future()
+
+            def on_idle() -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(_resolve, drained)
+
+            if self._start_draining(on_idle):
+                await drained
+        self._close(wait=False, close_fleet=False)
+        if self._pool is not None:
+            # Joining the workers waits for running sync jobs: on a helper thread, not here.
+            await loop.run_in_executor(None, self._pool.shutdown, True)
+        if self._fleet is not None:
+            await loop.run_in_executor(None, self._fleet.close)  # round trips: not on the loop
+
+    async def __aenter__(self) -> TenantTaskCoordinator:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"<TenantTaskCoordinator {self._name!r} {self._state.value} "
+            f"running={self.running}/{self._max_concurrency} queued={self.queued}>"
+        )
+
+    # -- execute -> count -> order: a subscription -------------------------------------------
+
+    def _subscribe(
+        self,
+        execution: Execution[Any],
+        observer: abc.ObserverBase[Any],
+        scheduler: abc.SchedulerBase | None,
+    ) -> abc.DisposableBase:
+        loop = _get_running_loop()
+        if loop is None and isinstance(scheduler, AsyncIOScheduler):
+            loop = scheduler._loop
+        is_async = execution.is_async
+        job_loop = (self._scheduler_loop or loop) if is_async else None
+        task = Task(
+            self,
+            execution.job,
+            execution.args,
+            execution.key,
+            execution.deadline,
+            is_async,
+            observer,
+            loop,
+            job_loop,
+            contextvars.copy_context(),
+        )
+        if is_async and job_loop is None:
+            with self._lock:
+                self._table.submitted += 1
+                self._table.failed += 1
+            observer.on_error(RuntimeError(_NO_LOOP))
+            return Disposable()
+        wait = self._wait if execution.wait is None else execution.wait
+        with self._lock:
+            state = self._table.accept(task, wait)
+        if state is RUNNING or state is GATED:
+            self._turn(task)
+        elif state < 0:
+            observer.on_error(self._refusal(state))
+            return Disposable()
+        return task
+
+    def _refusal(self, state: int) -> Exception:
+        if state is CLOSED:
+            return CoordinatorClosed(f"coordinator {self._name!r} is closed")
+        table = self._table
+        error = TooManyTasks(
+            f"coordinator {self._name!r}: {table.wip} jobs in progress, limit {table.limit} "
+            f"(max_concurrency={self._max_concurrency} + max_queue_size={self._max_queue_size});"
+            ' pass overflow="wait" to wait for room'
+        )
+        self._log.info("rejected: {}", error)
+        return error
+
+    # -- the awaited path ----------------------------------------------------------------------
+
+    async def _await(
+        self, execution: Execution[Any], entered: Callable[[], object] | None = None
+    ) -> Any:
+        """``await execute(...)``: the whole submission, done by the awaiting task itself.
+
+        Same contract as a subscription (counting, ``TooManyTasks`` or waiting for room,
+        per-key order, the cap, admission, timeouts from the start, close), without an
+        Observable or a task per job: the awaiting task submits, waits for its turn on one
+        future (none if its turn comes at once), runs an async job inline and takes the
+        outcome from its task object. A timeout, a close or a dispose cancels the awaiting task
+        while the job runs inside it (the awaiter then gets ``TimeoutError`` /
+        ``CoordinatorClosed``); cancelling the awaiting task cancels the job, or withdraws it
+        if it has not started (a turn that comes meanwhile is given back, never lost).
+        ``entered`` is called once the submission is counted (a scheduler unpins its tenant).
+        """
+        loop = _get_running_loop()
+        assert loop is not None  # a coroutine runs on a loop
+        is_async = execution.is_async
+        # Inline in this task: an async job whose loop is this one (not a scheduler's other).
+        inline = is_async and self._scheduler_loop in (None, loop)
+        task = Task(
+            self,
+            execution.job,
+            execution.args,
+            execution.key,
+            execution.deadline,
+            is_async,
+            None,
+            loop,
+            (self._scheduler_loop or loop) if is_async else None,
+            None if inline else contextvars.copy_context(),
+        )
+        wait = self._wait if execution.wait is None else execution.wait
+        lock = self._lock
+        lock.acquire()  # explicit acquire/release: half a ``with`` block (bench_asyncio's rows)
+        try:
+            state = self._table.accept(task, wait)
+        finally:
+            lock.release()
+        if entered is not None:
+            entered()
+        if state < 0:
+            raise self._refusal(state)
+        if state is RUNNING and inline:
+            return await self._run_inline(task, loop)  # its turn at once: the common case
+        if state is RUNNING or state is GATED:
+            self._turn(task)
+        if not task.turn and not task.ended:
+            task.future = future = loop.create_future()
+            try:
+                await future
+            except asyncio.CancelledError:
+                task.future = None
+                self._leave(task)
+                raise
+            task.future = None
+        if task.turn:
+            return await self._run_inline(task, loop)
+        # It runs elsewhere, or it ended before its turn (closed): a turn still on its way to
+        # this awaiter is given back when it arrives (_hand).
+        task.gone = True
+        return await task.outcome()
+
+    async def _run_inline(self, task: Task, loop: asyncio.AbstractEventLoop) -> Any:
+        """The awaiting task's turn: run the async job inside it; the outcome."""
+        current = _current_task(loop)
+        assert current is not None
+        await self._run_async(task, None, _NO_TOKEN, current)
+        # Our cancellation (a timeout, close or dispose) was a means, not the awaiter's wish:
+        # take it back, unless the awaiter was cancelled as well, which then wins.
+        if task.ours and current.uncancel():
+            raise asyncio.CancelledError
+        if task.ended:
+            return task.result()
+        return await task.outcome()
+
+    def _leave(self, task: Task) -> None:
+        """The awaiting task was cancelled while it waited (on its loop thread).
+
+        The outcome is decided as cancelled; what the task holds goes back: a queued task is
+        withdrawn, a permit request too, a turn handed to it (or on its way) is given back.
+        """
+        task.gone = True
+        with self._lock:
+            state = task.state
+            starts = self._table.settle(task, CANCELLED)
+        if starts is not None:
+            self._settled(task, state, starts, None)
+        if task.turn:  # handed over, never used: give it back
+            task.turn = False
+            self._end(task, None, None)
+
+    # -- order -> admit ------------------------------------------------------------------------
+
+    def _turn(self, task: Task) -> None:
+        """``task``'s turn came (it holds its key and a slot): admit it, then run it."""
+        if task.state is GATED:
+            self._ask(task)
+        else:
+            self._go(task)
+
+    def _ask(self, task: Task) -> None:
+        """Ask the admission for a permit; the task runs once granted (``_admitted``)."""
+        admission = self._admission
+        assert admission is not None
+        ticket = AdmissionTicket(admission.release, task.key)
+        task.ticket = ticket
+        ticket._waiter.bind(lambda: self._admitted(task))
+        admission.request(ticket)  # counted as queued until the permit comes
+        # A cancel before the ticket existed could not withdraw it: take it back now, or it
+        # would wait for a permit nobody wants.
+        with self._lock:
+            stranded = task.settled and task.state is GATED
+        if stranded:
+            self._withdraw(task)
+
+    def _admitted(self, task: Task) -> None:
+        """The admission granted (or refused) the ticket, on the granting thread."""
+        ticket = task.ticket
+        assert ticket is not None
+        if ticket._waiter.take() is None:
+            return  # the task left first: the ticket gave the permit back, _withdraw ended it
+        with self._lock:
+            left = task.settled  # settled after the take: _withdraw found it taken
+            if not left:
+                self._table.admitted(task)
+        if left:
+            self._end(task, None, None)
+            return
+        if ticket.error is not None:  # refused (its store is down): the job fails unrun
+            task.ticket = None
+            self._end(task, None, ticket.error)
+            return
+        permit = ticket.permit
+        if isinstance(permit, Permit):
+            task.permit = permit
+        self._go(task)
+
+    def _withdraw(self, task: Task) -> None:
+        """Take a settled ``GATED`` task back from the admission, if it holds no permit yet.
+
+        The ticket decides: exactly one of this and ``_admitted`` ends the task, and a permit
+        granted to it meanwhile goes back to the admission.
+        """
+        ticket = task.ticket
+        if ticket is None:
+            return  # not at the admission yet: _ask's stranded check comes after
+        state = ticket._waiter.cancel()
+        if state is PENDING:
+            assert self._admission is not None
+            self._admission.withdraw(ticket)  # False: a grant is in flight, it will go back
+        elif state is not GRANTED:
+            return  # taken (_admitted ends it) or withdrawn before
+        task.ticket = None
+        self._end(task, None, None)
+
+    # -- guard -> run --------------------------------------------------------------------------
+
+    def _go(self, task: Task) -> None:
+        """``task`` may run now: in its awaiting task, on its loop, or on the runner."""
+        if task.observer is None and task.is_async and task.job_loop is task.loop:
+            loop = task.loop
+            assert loop is not None
+            if _get_running_loop() is loop:
+                self._hand(task)
+            else:
+                try:
+                    loop.call_soon_threadsafe(self._hand, task)
+                except RuntimeError:  # the awaiter's loop is closed: nobody will take the turn
+                    self._cancel(task)
+                    self._end(task, None, None)
+            return
+        try:
+            if task.is_async:
+                self._spawn(task, None, _NO_TOKEN)
+            else:
+                if task.timeout is not None:
+                    self._arm_timeout(task)
+                self._runner.run(task.run_sync)
+        except Exception as exc:  # the scheduler or the loop itself failed: tell the caller
+            self._log.opt(exception=True).error("could not start a job on {!r}", self._name)
+            self._end(task, None, exc)
+
+    def _hand(self, task: Task) -> None:
+        """On the awaiter's loop: its turn (or one it left behind, given back)."""
+        if task.gone:
+            self._end(task, None, None)
+            return
+        task.turn = True
+        task.wake()
+
+    def _spawn(self, task: Task, awaitable: Any, token: Any) -> None:
+        """Run async work in a task of its own on the job's loop."""
+        loop = task.job_loop
+        assert loop is not None
+        spawn(loop, lambda: self._run_async(task, awaitable, token, None), task.context)
+
+    async def _run_async(
+        self, task: Task, awaitable: Any, token: Any, current: asyncio.Task[Any] | None
+    ) -> None:
+        """Run an async job (or ``awaitable``, which a sync job returned) to its end, in the
+        current asyncio task; then end the task.
+
+        ``current`` is the awaiting task when the job runs inline, None in a task of its own.
+        A timeout, close or dispose cancels the asyncio task while the job runs in it
+        (``task.ours``); any other cancellation (the awaiter's own) cancels the job too.
+        """
+        if current is None:
+            current = _current_task()
+            assert current is not None
+        if awaitable is None and task.timeout is not None:  # (a sync job's was armed at its go)
+            self._arm_timeout(task)
+        if task.settled:  # cancelled, timed out or closed between its turn and now
+            _discard(awaitable)
+            self._end_guarded(task, None, None, token)
+            return
+        guard = self._guard
+        permit = task.permit
+        entered: object = None
+        value: Any = None
+        error: BaseException | None = None
+        task.inside = current
+        try:
+            if token is _NO_TOKEN and guard is not None and task.key is not None:
+                token = await guard.enter_async(task.key)
+            if awaitable is None:
+                job = task.job
+                assert job is not None
+                if permit is not None:
+                    entered = permit.enter()
+                value = job(*task.args)
+                if isinstance(value, abc.ObservableBase) or not inspect.isawaitable(value):
+                    # A remembered code returned something else: worker threads again.
+                    forget(job)
+                    if isinstance(value, abc.ObservableBase) or _is_concurrent_future(value):
+                        task.inside = None
+                        self._returned(task, value, token)  # runs to its end from there
+                        return
+                else:
+                    value = await value
+            else:
+                value = await awaitable
+        except asyncio.CancelledError as exc:
+            if not task.ours:  # not ours: the awaiting task itself was cancelled, so is the job
+                task.inside = None
+                self._cancel(task)
+                if token is not _NO_TOKEN:
+                    assert guard is not None
+                    with contextlib.suppress(Exception):
+                        await guard.exit_async(token)
+                self._end(task, None, None)
+                raise
+            value, error = None, exc
+        except BaseException as exc:
+            value, error = None, exc
+        finally:
+            task.inside = None
+            if entered is not None:
+                assert permit is not None
+                permit.exit(entered)
+        if token is not _NO_TOKEN:
+            assert guard is not None
+            try:
+                await guard.exit_async(token)  # LeaseLost if exclusion was lost meanwhile
+            except Exception as exc:
+                if error is None:
+                    value, error = None, exc
+        self._end(task, value, error)
+
+    def _run_sync(self, task: Task) -> None:
+        """Run a sync job on the runner's thread: guard, call, and what it returned."""
+        if task.settled:  # cancelled (or closed) between its hand-off and now
+            self._end(task, None, None)
+            return
+        guard = self._guard
+        token: Any = _NO_TOKEN
+        try:
+            if guard is not None and task.key is not None:
+                # Keyed: enter the key guard too (blocking here is fine: this thread is the
+                # job's), so the key is exclusive beyond this coordinator as well.
+                token = guard.enter(task.key)
+            context = task.context
+            assert context is not None
+            result = context.run(self._call, task)
+        except BaseException as exc:  # the job's error goes to its subscriber
+            self._end_guarded(task, None, exc, token)
+            return
+        self._returned(task, result, token)
+
+    @staticmethod
+    def _call(task: Task) -> Any:
+        """The job's call (in its context), with its permit entered around it."""
+        job = task.job
+        assert job is not None
+        permit = task.permit
+        if permit is None:
+            return job(*task.args)
+        entered = permit.enter()
+        try:
+            return job(*task.args)
+        finally:
+            permit.exit(entered)
+
+    def _returned(self, task: Task, result: Any, token: Any) -> None:
+        """What a job returned: its value, or work to run to its end (``rxcoord._core.jobs``).
+
+        An Observable (itself awaitable, but a stream) or a future runs to its end; another
+        awaitable (``lambda: handle(m)`` is an async job in disguise) is awaited on the loop,
+        and the job's code remembered so that its later jobs start there at once.
+        """
+        if type(result) in _PLAIN:
+            self._end_guarded(task, result, None, token)
+        elif isinstance(result, abc.ObservableBase) or _is_concurrent_future(result):
+            work = Work(self, task, token)
+            with self._lock:
+                cancelled = task.settled
+                if not cancelled:
+                    task.work = work
+            if cancelled:
+                work.done = True
+                _cancel_concurrent(result)
+                self._end_guarded(task, None, None, token)
+                return
+            # A future's done-callback ends the task: say so before it can run (or be cancelled).
+            work.pending = _is_concurrent_future(result)
+            try:
+                work.start(result)
+            except Exception as exc:
+                if work._release():
+                    self._end_guarded(task, None, exc, token)
+        elif inspect.isawaitable(result):
+            job = task.job
+            assert job is not None
+            remember(job)
+            loop = self._scheduler_loop or task.loop
+            if loop is None:
+                _discard(result)
+                self._end_guarded(task, None, RuntimeError(_NO_LOOP), token)
+                return
+            if task.settled:  # cancelled (or timed out) while the sync part ran
+                _discard(result)
+                self._end_guarded(task, None, None, token)
+                return
+            task.job_loop = loop
+            try:
+                spawn(loop, lambda: self._run_async(task, result, token, None), task.context)
+            except Exception as exc:  # the loop was closed meanwhile: tell the caller
+                _discard(result)
+                self._end_guarded(task, None, exc, token)
+        else:
+            self._end_guarded(task, result, None, token)
+
+    def _work_ended(self, work: Work, value: Any, error: BaseException | None) -> None:
+        """An Observable or future a job returned has ended (or was stopped)."""
+        task = work.task
+        task.work = None
+        if work.token is _NO_TOKEN:
+            self._end(task, value, error)
+        else:  # leaving the key guard is a round trip: never on the thread that ended the work
+            hand_off(lambda: self._end_guarded(task, value, error, work.token), "a key guard")
+
+    def _end_guarded(self, task: Task, value: Any, error: BaseException | None, token: Any) -> None:
+        """``_end``, after leaving the key guard (blocking) if the job entered it."""
+        if token is not _NO_TOKEN:
+            assert self._guard is not None
+            try:
+                self._guard.exit(token)  # LeaseLost if it expired: the work may overlap another's
+            except Exception as exc:
+                if error is None:
+                    value, error = None, exc
+                else:
+                    self._log.opt(exception=True).warning("leaving the key guard failed")
+        self._end(task, value, error)
+
+    # -- end -> deliver --------------------------------------------------------------------------
+
+    def _end(self, task: Task, value: Any, error: BaseException | None) -> None:
+        """The task's work ended (or it never ran): free its key and slot, then deliver."""
+        permit = task.permit
+        if permit is not None and error is None:
+            try:
+                permit.check()  # lapsed while the job ran: its result must not count
+            except Exception as exc:
+                value, error = None, exc
+        lock = self._lock
+        lock.acquire()
+        try:
+            if task.state is DONE:
+                return
+            decided, starts = self._table.end(task, error is not None)
+            idle = self._table.wip == 0
+        finally:
+            lock.release()
+        timer = task.timer
+        if timer is not None:
+            task.timer = None
+            timer()
+        task.job = None  # no references kept by a finished task
+        task.inside = None
+        # Start this coordinator's next jobs first: they then ask the admission before the
+        # permit is handed back, and compete for it fairly.
+        for started in starts:
+            self._turn(started)
+        ticket = task.ticket
+        if ticket is not None:
+            task.ticket = None
+            ticket._give_back()
+        if idle:
+            self._became_idle()
+        if decided:
+            if error is not None:
+                self._log.opt(exception=error).debug("job failed on {!r}", self._name)
+            self._deliver(task, value, error)
+
+    def _deliver(self, task: Task, value: Any, error: BaseException | None) -> None:
+        """Send the outcome to the subscriber (or awaiter), on its loop if it has one."""
+        loop = task.loop
+        if loop is not None and _get_running_loop() is not loop:
+            try:
+                loop.call_soon_threadsafe(self._deliver_now, task, value, error)
+            except RuntimeError:  # the subscriber's loop is closed: nobody is listening
+                self._log.warning("dropped a result: the subscriber's event loop is closed")
+            return
+        self._deliver_now(task, value, error)
+
+    def _deliver_now(self, task: Task, value: Any, error: BaseException | None) -> None:
+        observer = task.observer
+        if observer is None:
+            task.land(task.value if value is STREAMED else value, error)
+            return
+        try:
+            if error is None:
+                if value is not STREAMED:  # an Observable job's items went out already
+                    observer.on_next(value)
+                observer.on_completed()
+            else:
+                observer.on_error(cast(Exception, error))
+        except Exception:  # a subscriber's bug must not break the coordinator or other jobs
+            self._log.opt(exception=True).error("a subscriber of {!r} raised", self._name)
+
+    def _deliver_item(self, task: Task, item: Any) -> None:
+        """One item of an Observable job, to the subscriber (on its loop if it has one)."""
+        loop = task.loop
+        if loop is not None and _get_running_loop() is not loop:
+            with contextlib.suppress(RuntimeError):  # the subscriber's loop is closed
+                loop.call_soon_threadsafe(self._deliver_item_now, task, item)
+            return
+        self._deliver_item_now(task, item)
+
+    def _deliver_item_now(self, task: Task, item: Any) -> None:
+        observer = task.observer
+        if observer is None:
+            task.value = item  # ``await`` gives the last item
+            return
+        try:
+            observer.on_next(item)
+        except Exception:  # a subscriber's bug must not break the coordinator or other jobs
+            self._log.opt(exception=True).error("a subscriber of {!r} raised", self._name)
+
+    def _became_idle(self) -> None:
+        on_idle = self._on_idle
+        if on_idle is not None:
+            on_idle()
+        if self._idle_callbacks:
+            with self._lock:
+                callbacks: list[Callable[[], object]] = []
+                if self._table.wip == 0:
+                    callbacks, self._idle_callbacks = self._idle_callbacks, []
+            for callback in callbacks:
+                callback()
+
+    # -- cancellation --------------------------------------------------------------------------
+
+    def _cancel(self, task: Task, outcome: int = CANCELLED, error: Exception | None = None) -> None:
+        """Decide ``task``'s outcome now (a dispose, a timeout, a close) and stop its work."""
+        with self._lock:
+            state = task.state
+            starts = self._table.settle(task, outcome)
+        if starts is not None:
+            self._settled(task, state, starts, error)
+
+    def _settled(
+        self, task: Task, state: int, starts: list[Any], error: BaseException | None
+    ) -> None:
+        """After ``settle``: stop what ``task`` was doing in ``state``; start what it freed."""
+        if state is GATED:
+            self._withdraw(task)
+        elif state is RUNNING:
+            self._stop(task)
+        elif state is RETRYING:
+            timer = task.timer
+            if timer is not None:
+                task.timer = None
+                timer()
+        for started in starts:
+            self._turn(started)
+        if error is not None:
+            self._deliver(task, None, error)
+        if starts or state is WAITING or state is QUEUED or state is RETRYING:
+            with self._lock:
+                idle = self._table.wip == 0
+            if idle:
+                self._became_idle()
+
+    def _stop(self, task: Task) -> None:
+        """Stop a running job's work: an async job is cancelled on its loop, an Observable
+        disposed, a future cancelled; a sync job's thread cannot be stopped."""
+        timer = task.timer
+        if timer is not None:
+            task.timer = None
+            timer()
+        work = task.work
+        if work is not None:
+            work.cancel()
+        loop = task.job_loop
+        if loop is not None:
+            if _get_running_loop() is loop:
+                self._cancel_inside(task)
+            else:
+                with contextlib.suppress(RuntimeError):  # loop closed: the job cannot run any more
+                    loop.call_soon_threadsafe(self._cancel_inside, task)
+
+    @staticmethod
+    def _cancel_inside(task: Task) -> None:
+        """On the job's loop: cancel the asyncio task the job runs in, if it runs now."""
+        inside = task.inside
+        if inside is not None:
+            task.inside = None
+            task.ours = True
+            inside.cancel()
+
+    def _arm_timeout(self, task: Task) -> None:
+        timeout = task.timeout
+        assert timeout is not None
+
+        def expire() -> None:
+            self._time_out(task, timeout)
+
+        if self._virtual is not None:
+            cancel = self._virtual.schedule_relative(timeout, lambda _s, _st: expire()).dispose
+        else:
+            cancel = call_later(timeout, expire).cancel
+        with self._lock:
+            if task.state is RUNNING and task.timer is None and not task.settled:
+                task.timer = cancel
+                return
+        cancel()  # the job finished (or was cancelled) before the timer was armed
+
+    def _time_out(self, task: Task, timeout: float) -> None:
+        with self._lock:
+            if task.settled or task.state is not RUNNING:
+                return
+            task.timer = None
+            self._table.settle(task, TIMED_OUT)
+        self._log.info("a job on {!r} timed out after {} s", self._name, timeout)
+        self._stop(task)
+        error = TimeoutError(f"job timed out after {timeout} s on coordinator {self._name!r}")
+        if self._virtual is not None or task.loop is not None:
+            self._deliver(task, None, error)  # virtual time, or hopping onto the caller's loop
+        else:
+            # This runs on the process-wide timer thread: subscriber code there would delay
+            # every other timeout, lease renewal and eviction (or kill the thread). Hand off.
+            hand_off(lambda: self._deliver_now(task, None, error))
+
+    # -- close ---------------------------------------------------------------------------------
+
+    def _start_draining(self, on_idle: Callable[[], object]) -> bool:
+        """Refuse new work and fail waiting submissions; True if ``on_idle`` will be called
+        once no job is left, False if there is nothing to wait for."""
+        with self._lock:
+            if self._state is not CoordinatorState.OPEN:
+                return False
+            self._state = CoordinatorState.CLOSING
+            table = self._table
+            table.close()
+            waiting = [t for t in table.live() if t.state is WAITING]
+            settled = [(t, t.state, table.settle(t, CANCELLED)) for t in waiting]
+            busy = table.wip > 0
+            if busy:
+                self._idle_callbacks.append(on_idle)
+        error = CoordinatorClosed(f"coordinator {self._name!r} is closed")
+        for task, state, starts in settled:
+            assert starts is not None
+            self._settled(cast(Task, task), state, starts, error)
+        return busy
+
+    def _close(self, wait: bool, close_fleet: bool = True) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._state = CoordinatorState.CLOSING
+            table = self._table
+            table.close()
+            # Settle every live task in one step, before any subscriber code runs: otherwise a
+            # job finishing meanwhile could hand its slot to a queued task not yet reached.
+            # Queued tasks first, so a retrying task's key goes to none of them.
+            live = sorted(table.live(), key=_by_state)
+            settled = [(t, t.state, table.settle(t, CANCELLED)) for t in live]
+            table.purge()
+        self._log.debug("closing coordinator {!r} with {} live jobs", self._name, len(settled))
+        error = CoordinatorClosed(f"coordinator {self._name!r} is closed")
+        for task, state, starts in settled:
+            assert starts is not None
+            self._settled(cast(Task, task), state, starts, error)
+        if self._pool is not None:
+            self._pool.shutdown(wait=wait)
+        if self._fleet is not None and close_fleet:
+            self._fleet.close()  # after the jobs: their permits go back first
+        with self._lock:
+            self._state = CoordinatorState.CLOSED
+
+
+def _by_state(task: Any) -> int:
+    return cast(int, task.state)
+
+
+def _discard(awaitable: Any) -> None:
+    if inspect.iscoroutine(awaitable):
+        awaitable.close()  # never awaited: say so, not with a RuntimeWarning
+
+
+def _is_concurrent_future(value: Any) -> bool:
+    import concurrent.futures
+
+    return isinstance(value, concurrent.futures.Future)
+
+
+def _cancel_concurrent(value: Any) -> None:
+    if _is_concurrent_future(value):
+        value.cancel()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
