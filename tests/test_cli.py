@@ -352,6 +352,7 @@ def test_bench_prints_one_table_with_a_verdict_per_row(
     # --json: the same rows and verdicts, for the documentation's plots.
     run = json.loads(written.read_text())
     assert run["quick"] is True
+    assert len(run["load"]) == 2
     assert [row["verdict"] for row in run["rows"][:3]] == ["met", "too small to judge", "not met"]
     assert run["rows"][0] == {
         "benchmark": BENCHMARKS[0],

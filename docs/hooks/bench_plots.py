@@ -80,9 +80,11 @@ def table(run: dict[str, Any]) -> str:
 def describe(run: dict[str, Any]) -> str:
     """One sentence saying where the figures come from."""
     size = "quick sizes" if run["quick"] else "full sizes"
+    load = [value for value in run.get("load") or [] if value is not None]
+    busy = f", load average {min(load):g}-{max(load):g} (start and end of the run)" if load else ""
     return (
         f"One `rxcoord bench` run ({size}, {run['seconds']} s) on {run['date']}: Python "
-        f"{run['python']}, {run['machine']}, {run['cpus']} CPUs."
+        f"{run['python']}, {run['machine']}, {run['cpus']} CPUs{busy}."
     )
 
 

@@ -251,6 +251,7 @@ def run_benchmarks(
     verdicts: list[Verdict] = []
     judged_rows: list[dict[str, object]] = []
     failed = False
+    load = [_load_average()]
     started = time.perf_counter()
     for name in names:
         with console.status(f"running {name}..."):
@@ -308,11 +309,18 @@ def run_benchmarks(
             "quick": quick,
             "date": time.strftime("%Y-%m-%d"),
             "seconds": round(seconds),
+            # A shared machine's other work moves the figures: the 1-minute load average
+            # when the run started and when it ended (None where the system has none).
+            "load": [*load, _load_average()],
             "rows": judged_rows,
             "notes": notes,
         }
         Path(json_path).write_text(json.dumps(run, indent=1) + "\n", encoding="utf-8")
     return 1 if failed else 0
+
+
+def _load_average() -> float | None:
+    return round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None
 
 
 def _cpus() -> int:
