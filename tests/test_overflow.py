@@ -585,6 +585,7 @@ async def test_an_awaited_job_under_an_admission_times_out_from_its_start() -> N
     assert c.stats().timed_out == 1
     await c.aclose()
 
+
 async def test_cancelling_the_awaiter_cancels_an_inline_job_and_frees_its_slot() -> None:
     async with TenantTaskCoordinator(max_concurrency=1) as c:
         inside = asyncio.Event()
