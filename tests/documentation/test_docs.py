@@ -183,6 +183,12 @@ def test_the_readme_is_a_front_page() -> None:
     assert "docs/index.md" in readme  # the way to the rest
 
 
+def test_getting_started_lists_every_example() -> None:
+    page = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    missing = [p.name for p in sorted((ROOT / "examples").glob("*.py")) if p.name not in page]
+    assert not missing, f"examples the getting-started page does not list: {missing}"
+
+
 def test_the_readme_says_why_each_dependency_is_there() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Why each dependency is there", 1)[1].split("\n## ", 1)[0]
