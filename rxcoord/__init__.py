@@ -5,7 +5,8 @@ Layers, each built on the ones before it:
 1. :func:`serialize_by_key` - per-key ordered processing, keys in parallel, no per-key leak.
 2. :class:`TenantTaskCoordinator` - a concurrency limit, a bounded queue (``TooManyTasks``),
    per-key ordering, cancellation and timeouts for sync and async jobs; two seams: an
-   :class:`Admission` asked before each job runs, a :class:`KeyGuard` for keyed jobs.
+   :class:`Admission` asked before each job runs, a :class:`KeyGuard` for keyed jobs. Its
+   meaning is :class:`ReactorCoordinator`, the Reactor composition in plain Rx operators.
 3. :class:`TenantScheduler` - many tenants, one global limit, fair shares, idle tenants evicted;
    with ``fleet=provider`` the limits and shares hold across processes (:class:`FleetAdmission`).
 4. :class:`KeyedLocks` - ownerless per-entity leases, bulk and global, FIFO, no polling, no leaks.
@@ -17,8 +18,8 @@ rxcoord logs with loguru and, as a library, is silent until you call
 
 from loguru import logger as _logger
 
-from ._admission import Admission, AdmissionTicket
-from ._coordinator import CoordinatorStats, TenantTaskCoordinator
+from ._admission import Admission, AdmissionTicket, Permit
+from ._coordinator import CoordinatorStats, Execution, ReactorCoordinator, TenantTaskCoordinator
 from ._core.lifecycle import CoordinatorState
 from ._errors import (
     CoordinatorClosed,
@@ -48,6 +49,7 @@ __all__ = [
     "CoordinatorClosed",
     "CoordinatorState",
     "CoordinatorStats",
+    "Execution",
     "FleetAdmission",
     "FleetPermit",
     "FleetStats",
@@ -64,6 +66,8 @@ __all__ = [
     "LeaseStoreMisconfigured",
     "LeaseStoreUnavailable",
     "LockTimeout",
+    "Permit",
+    "ReactorCoordinator",
     "RxcoordError",
     "SchedulerStats",
     "StaleToken",

@@ -52,10 +52,10 @@ class Task(Entry):
 
 
 class Checker:
-    def __init__(self, table: TaskTable) -> None:
+    def __init__(self, table: TaskTable[Task]) -> None:
         self.table = table
         self.tasks: list[Task] = []
-        self.turns: dict[str, list[int]] = {}  # key -> indices in the order their turn came
+        self.turns: dict[Any, list[int]] = {}  # key -> indices in the order their turn came
         self.left_waiting: list[int] = []  # indices in the order they left WAITING
 
     def before(self) -> dict[int, int]:
@@ -141,7 +141,7 @@ events = st.lists(
 def test_the_task_table_keeps_its_invariants_under_random_events(
     gated: bool, steps: list[tuple[str, str | None, int]]
 ) -> None:
-    table = TaskTable(CAP, QUEUE, gated=gated)
+    table: TaskTable[Task] = TaskTable(CAP, QUEUE, gated=gated)
     checker = Checker(table)
     for op, key, pick in steps:
         before = checker.before()
@@ -222,7 +222,7 @@ def test_the_task_table_keeps_its_invariants_under_random_events(
 
 
 def test_a_purge_drops_tombstones_and_keeps_the_live_order() -> None:
-    table = TaskTable(1, 100, gated=False)
+    table: TaskTable[Task] = TaskTable(1, 100, gated=False)
     tasks = [Task("k", i) for i in range(10)]
     for task in tasks:
         table.accept(task, False)
@@ -237,7 +237,7 @@ def test_a_purge_drops_tombstones_and_keeps_the_live_order() -> None:
 
 
 def test_tombstones_are_purged_once_they_outnumber_the_live_queued_tasks() -> None:
-    table = TaskTable(1, 1_000, gated=False)
+    table: TaskTable[Task] = TaskTable(1, 1_000, gated=False)
     tasks = [Task("k", i) for i in range(500)]
     for task in tasks:
         table.accept(task, False)

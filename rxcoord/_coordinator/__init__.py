@@ -10,5 +10,6 @@
 
 from ._execution import Execution
 from ._facade import CoordinatorStats, TenantTaskCoordinator
+from ._reference import ReactorCoordinator
 
-__all__ = ["CoordinatorStats", "Execution", "TenantTaskCoordinator"]
+__all__ = ["CoordinatorStats", "Execution", "ReactorCoordinator", "TenantTaskCoordinator"]

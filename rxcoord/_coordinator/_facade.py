@@ -263,7 +263,9 @@ class TenantTaskCoordinator(Closeable):
         self._idle_callbacks: list[Callable[[], object]] = []  # a draining close waits here
 
         self._lock = threading.Lock()
-        self._table = TaskTable(max_concurrency, max_queue_size, gated=admission is not None)
+        self._table: TaskTable[Task] = TaskTable(
+            max_concurrency, max_queue_size, gated=admission is not None
+        )
         self._state = CoordinatorState.OPEN
         self._closing = False  # close() has begun settling (after a drain, or at once)
 
@@ -1034,7 +1036,7 @@ class TenantTaskCoordinator(Closeable):
             self._settled(task, state, starts, error)
 
     def _settled(
-        self, task: Task, state: int, starts: list[Any], error: BaseException | None
+        self, task: Task, state: int, starts: list[Task], error: BaseException | None
     ) -> None:
         """After ``settle``: stop what ``task`` was doing in ``state``; start what it freed."""
         if state is GATED:
@@ -1135,7 +1137,7 @@ class TenantTaskCoordinator(Closeable):
         error = CoordinatorClosed(f"coordinator {self._name!r} is closed")
         for task, state, starts in settled:
             assert starts is not None
-            self._settled(cast(Task, task), state, starts, error)
+            self._settled(task, state, starts, error)
         return busy
 
     def _close(self, wait: bool, close_fleet: bool = True) -> None:
@@ -1156,7 +1158,7 @@ class TenantTaskCoordinator(Closeable):
         error = CoordinatorClosed(f"coordinator {self._name!r} is closed")
         for task, state, starts in settled:
             assert starts is not None
-            self._settled(cast(Task, task), state, starts, error)
+            self._settled(task, state, starts, error)
         if self._pool is not None:
             self._pool.shutdown(wait=wait)
         if self._fleet is not None and close_fleet:
@@ -1165,8 +1167,8 @@ class TenantTaskCoordinator(Closeable):
             self._state = CoordinatorState.CLOSED
 
 
-def _by_state(task: Any) -> int:
-    return cast(int, task.state)
+def _by_state(task: Task) -> int:
+    return task.state
 
 
 def _discard(awaitable: Any) -> None:

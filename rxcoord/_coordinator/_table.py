@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable
-from typing import Any, Final
+from typing import Final, Generic, TypeVar
 
 from .._core.lanes import LaneTable
 
@@ -94,12 +94,15 @@ class Entry:
         self.settled = False  # its outcome is decided
 
 
+_E = TypeVar("_E", bound=Entry)
+
+
 def _lane(task: Entry) -> Hashable:
     key = task.key
     return task if key is None else key
 
 
-class TaskTable:
+class TaskTable(Generic[_E]):
     """States, lanes, waiters and counters of one coordinator; see the module docstring.
 
     Args:
@@ -126,7 +129,7 @@ class TaskTable:
     )
 
     def __init__(self, max_concurrency: int, max_queue_size: int, *, gated: bool) -> None:
-        self.lanes: LaneTable[Hashable, Any] = LaneTable(max_concurrency)
+        self.lanes: LaneTable[Hashable, _E] = LaneTable(max_concurrency)
         self.limit = max_concurrency + max_queue_size
         self._turn = GATED if gated else RUNNING  # the state a task's turn takes it to
         self.counts = [0] * 7  # tasks per state (NEW and DONE are not read)
@@ -138,7 +141,7 @@ class TaskTable:
         self.cancelled = 0
         self.timed_out = 0
         self.retries = 0
-        self._waiters: deque[Entry] = deque()  # WAITING tasks (and settled ones, skipped)
+        self._waiters: deque[_E] = deque()  # WAITING tasks (and settled ones, skipped)
         self._tombstones = 0  # DONE tasks still in the lanes
 
     # -- reading ------------------------------------------------------------------------------
@@ -149,21 +152,21 @@ class TaskTable:
         counts = self.counts
         return counts[QUEUED] + counts[GATED] + counts[RUNNING] + counts[RETRYING]
 
-    def live(self) -> list[Entry]:
+    def live(self) -> list[_E]:
         """Every task whose outcome is not decided yet (what a close must reach)."""
-        tasks: list[Entry] = [t for t in self._waiters if not t.settled]
+        tasks: list[_E] = [t for t in self._waiters if not t.settled]
         tasks += [t for t in self.lanes.items() if not t.settled]
         return tasks
 
     # -- the one transition step ------------------------------------------------------------
 
-    def _step(self, task: Entry, state: int) -> None:
+    def _step(self, task: _E, state: int) -> None:
         counts = self.counts
         counts[task.state] -= 1
         counts[state] += 1
         task.state = state
 
-    def _settle(self, task: Entry, outcome: int) -> bool:
+    def _settle(self, task: _E, outcome: int) -> bool:
         """Decide the outcome once; False if it was decided before."""
         if task.settled:
             return False
@@ -180,7 +183,7 @@ class TaskTable:
 
     # -- events -------------------------------------------------------------------------------
 
-    def accept(self, task: Entry, wait: bool) -> int:
+    def accept(self, task: _E, wait: bool) -> int:
         """A new submission: its state (``QUEUED``, ``WAITING``, or its turn's state if it
         starts now), or a refusal (``FULL``, ``CLOSED``)."""
         self.submitted += 1
@@ -201,11 +204,11 @@ class TaskTable:
             self._step(task, self._turn)
         return task.state
 
-    def admitted(self, task: Entry) -> None:
+    def admitted(self, task: _E) -> None:
         """A ``GATED`` task got its permit: it runs."""
         self._step(task, RUNNING)
 
-    def end(self, task: Entry, failed: bool) -> tuple[bool, list[Any]]:
+    def end(self, task: _E, failed: bool) -> tuple[bool, list[_E]]:
         """A ``RUNNING`` task's work ended, or a ``GATED`` one leaves without running.
 
         Returns whether this decided its outcome (completed, or failed if ``failed``; False if
@@ -213,12 +216,12 @@ class TaskTable:
         """
         decided = self._settle(task, FAILED if failed else COMPLETED)
         self._step(task, DONE)
-        starts: list[Any] = []
+        starts: list[_E] = []
         self._start(self.lanes.finish(_lane(task)), starts)
         self._admit_waiting(starts)
         return decided, starts
 
-    def settle(self, task: Entry, outcome: int) -> list[Any] | None:
+    def settle(self, task: _E, outcome: int) -> list[_E] | None:
         """Decide a task's outcome before its work ends (``CANCELLED``, ``TIMED_OUT``).
 
         A task that had not started leaves at once; a ``GATED`` or ``RUNNING`` one stays
@@ -228,7 +231,7 @@ class TaskTable:
         if not self._settle(task, outcome):
             return None
         state = task.state
-        starts: list[Any] = []
+        starts: list[_E] = []
         if state is WAITING:
             self._step(task, DONE)
             waiters = self._waiters
@@ -246,16 +249,16 @@ class TaskTable:
             self._admit_waiting(starts)
         return starts
 
-    def suspend(self, task: Entry) -> list[Any]:
+    def suspend(self, task: _E) -> list[_E]:
         """A ``RUNNING`` task waits for its next attempt: it keeps its key, gives its slot
         back. Returns the tasks whose turn came."""
         self.retries += 1
         self._step(task, RETRYING)
-        starts: list[Any] = []
+        starts: list[_E] = []
         self._start(self.lanes.suspend(_lane(task)), starts)
         return starts
 
-    def resume(self, task: Entry) -> bool:
+    def resume(self, task: _E) -> bool:
         """A ``RETRYING`` task wants a slot again; True if its turn came now."""
         self._step(task, QUEUED)
         if self.lanes.resume(_lane(task)):
@@ -279,7 +282,7 @@ class TaskTable:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _start(self, task: Any, starts: list[Any]) -> None:
+    def _start(self, task: _E | None, starts: list[_E]) -> None:
         """``task`` took a slot: its turn came, unless it is a tombstone (then pass it on)."""
         lanes = self.lanes
         while task is not None:
@@ -290,7 +293,7 @@ class TaskTable:
             self._tombstones -= 1
             task = lanes.finish(_lane(task))
 
-    def _admit_waiting(self, starts: list[Any]) -> None:
+    def _admit_waiting(self, starts: list[_E]) -> None:
         """Move waiters into the lanes while there is room, in arrival order."""
         waiters = self._waiters
         while waiters:

@@ -78,7 +78,7 @@ def main() -> None:
             )
             for t, c in runner._tenants.items():
                 out.write(f"{t}: {c.coordinator.stats()}\n")
-                for task in c.coordinator._tasks:
+                for task in c.coordinator._table.live():
                     out.write(
                         f"   task state={task.state} settled={task.settled} "
                         f"ticket={task.ticket!r}\n"
