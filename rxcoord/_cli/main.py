@@ -169,6 +169,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run only this benchmark (e.g. coordinator or bench_coordinator); repeatable",
     )
     bench.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the rows, verdicts and notes to PATH as JSON (the docs' plots read it)",
+    )
+    bench.add_argument(
         "--redis-url",
         default=os.environ.get("RXCOORD_REDIS_URL", "redis://127.0.0.1:6379/0"),
         help="Redis for the lease rows (default: $RXCOORD_REDIS_URL or the local server)",
@@ -279,7 +284,11 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import run_benchmarks
 
     return run_benchmarks(
-        args.quick, redis_url=args.redis_url, postgres_url=args.postgres_url, only=args.only
+        args.quick,
+        redis_url=args.redis_url,
+        postgres_url=args.postgres_url,
+        only=args.only,
+        json_path=args.json,
     )
 
 

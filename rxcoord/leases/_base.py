@@ -273,7 +273,8 @@ class LeaseProvider(Closeable):
         """Take the lease if it is free right now; one round trip, never waits.
 
         Args:
-            name: The lease name (non-empty str, at most 1024 characters).
+            name: The lease name: a non-empty str of at most ``max_name_bytes`` bytes of UTF-8,
+                without NUL.
             at_most_for: Seconds until the lease expires unless extended (> 0).
             at_least_for: Seconds after the grant the name stays taken even if released early
                 (0 <= at_least_for <= at_most_for).
@@ -283,9 +284,13 @@ class LeaseProvider(Closeable):
             The lease, or None if another holder has it.
 
         Raises:
+            TypeError: An argument of the wrong type (a name that is not a str, a duration
+                that is not a number).
             ValueError: Bad arguments (empty name, ``at_most_for <= 0``, ``at_least_for >
-                at_most_for``...). TypeError for wrong types.
-            LeaseStoreUnavailable: The store could not be reached.
+                at_most_for``...), refused before any round trip.
+            LeaseStoreUnavailable: The store could not be reached (an outage: retry later).
+            LeaseStoreMisconfigured: The store refused for good (credentials, permissions, a
+                database it does not have: the message names the fix; retrying will not help).
             LeaseProviderClosed: The provider was closed.
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
@@ -313,13 +318,18 @@ class LeaseProvider(Closeable):
         reentrant: a holder that acquires its own name again waits for itself.
 
         Args:
-            name, at_most_for, at_least_for, keep_alive: As for :meth:`try_acquire`.
+            name: The lease name, as for :meth:`try_acquire`.
+            at_most_for: As for :meth:`try_acquire`.
+            at_least_for: As for :meth:`try_acquire`.
+            keep_alive: As for :meth:`try_acquire`.
             timeout: Most seconds to wait; None waits as long as it takes, 0 tries once.
 
         Raises:
             LockTimeout: Not granted within ``timeout``.
-            ValueError: Bad arguments.
+            TypeError: An argument of the wrong type (as :meth:`try_acquire`; ``timeout`` too).
+            ValueError: Bad arguments (as :meth:`try_acquire`; a negative ``timeout`` too).
             LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (the message names the fix).
             LeaseProviderClosed: The provider was closed (also while waiting).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
@@ -356,9 +366,15 @@ class LeaseProvider(Closeable):
         raises, that exception propagates and a failing release is only logged.
 
         Raises:
-            LockTimeout, ValueError, LeaseStoreUnavailable, LeaseProviderClosed: As
-                :meth:`acquire`.
-            LeaseLost: On exit, if the lease was lost before it could be released.
+            LockTimeout: Not granted within ``timeout``.
+            TypeError: An argument of the wrong type.
+            ValueError: Bad arguments.
+            LeaseStoreUnavailable: The store could not be reached (when acquiring, or when
+                releasing on a normal exit).
+            LeaseStoreMisconfigured: The store refused for good.
+            LeaseProviderClosed: The provider was closed.
+            LeaseLost: On a normal exit, the lease had been lost before it could be released
+                (the block's work may overlap a newer holder's).
         """
         lease = self.acquire(
             name, at_most_for, at_least_for, timeout=timeout, keep_alive=keep_alive
@@ -376,7 +392,8 @@ class LeaseProvider(Closeable):
         this process has not noticed. It is a snapshot: the grant may end right after.
 
         Raises:
-            ValueError, TypeError: Bad name (checked before the round trip).
+            TypeError: ``name`` is not a str (checked before the round trip).
+            ValueError: ``name`` is empty or too long for the store (likewise).
             LeaseStoreUnavailable: The store could not be reached.
             LeaseStoreMisconfigured: The store refused for good (see the message).
             LeaseProviderClosed: The provider was closed.
@@ -385,7 +402,15 @@ class LeaseProvider(Closeable):
         return self._holder_of(name)
 
     async def holder_async(self, name: str) -> LeaseHolder | None:
-        """:meth:`holder` for asyncio; the round trip runs on the provider's workers."""
+        """:meth:`holder` for asyncio; the round trip runs on the provider's workers.
+
+        Raises:
+            TypeError: ``name`` is not a str (checked before the round trip).
+            ValueError: ``name`` is empty or too long for the store (likewise).
+            LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (see the message).
+            LeaseProviderClosed: The provider was closed.
+        """
         self._check_name(name)
         return await self._waits.call_async(lambda: self._holder_of(name))
 
@@ -533,8 +558,8 @@ class LeaseProvider(Closeable):
         ``SequenceContainsNoElementsError``, as awaiting any empty Observable does.
 
         Raises:
-            TypeError: ``job`` can be called neither as ``job()`` nor as ``job(lease)``
-                (raised here, not on subscription).
+            TypeError: ``job`` can be called neither as ``job()`` nor as ``job(lease)``, or
+                an argument has the wrong type (raised here, not on subscription).
             ValueError: Bad arguments (raised here, not on subscription).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
@@ -611,6 +636,7 @@ class LeaseProvider(Closeable):
         when taken, as awaiting any empty Observable does).
 
         Raises:
+            TypeError: An argument of the wrong type (raised here, not on subscription).
             ValueError: Bad arguments (raised here, not on subscription).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
@@ -681,6 +707,13 @@ class LeaseProvider(Closeable):
         """:meth:`try_acquire` for asyncio; the round trip runs on the provider's workers.
 
         Cancelling the task while the round trip is in flight releases a lease it grants.
+
+        Raises:
+            TypeError: An argument of the wrong type.
+            ValueError: Bad arguments.
+            LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (the message names the fix).
+            LeaseProviderClosed: The provider was closed.
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
         pending = self._waits.new(name, most, least, 0.0, skip_taken=True)
@@ -703,6 +736,14 @@ class LeaseProvider(Closeable):
         No thread is parked for the wait (see :meth:`acquire_rx`). Cancelling the task cancels
         the wait; a grant that was in flight at that moment is released in the background,
         never leaked.
+
+        Raises:
+            LockTimeout: Not granted within ``timeout``.
+            TypeError: An argument of the wrong type.
+            ValueError: Bad arguments.
+            LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (the message names the fix).
+            LeaseProviderClosed: The provider was closed (also while waiting).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait = check_timeout(timeout)
@@ -733,7 +774,18 @@ class LeaseProvider(Closeable):
         timeout: float | None = None,  # noqa: ASYNC109  (bounds the wait, as in lock())
         keep_alive: bool = False,
     ) -> AsyncIterator[DistributedLease]:
-        """:meth:`lock` for asyncio: ``async with provider.lock_async(name) as lease: ...``."""
+        """:meth:`lock` for asyncio: ``async with provider.lock_async(name) as lease: ...``.
+
+        Raises:
+            LockTimeout: Not granted within ``timeout``.
+            TypeError: An argument of the wrong type.
+            ValueError: Bad arguments.
+            LeaseStoreUnavailable: The store could not be reached (when acquiring, or when
+                releasing on a normal exit).
+            LeaseStoreMisconfigured: The store refused for good.
+            LeaseProviderClosed: The provider was closed.
+            LeaseLost: On a normal exit, the lease had been lost before it could be released.
+        """
         lease = await self.acquire_async(
             name, at_most_for, at_least_for, timeout=timeout, keep_alive=keep_alive
         )

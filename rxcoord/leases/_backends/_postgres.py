@@ -162,7 +162,8 @@ class PostgresLeases(LeaseProvider):
     Args:
         conninfo: A libpq connection string or URL (``postgresql://user@host:5432/db``).
         table: Table name (identifier, optionally ``schema.table``); created if missing.
-        min_size, max_size: Connection pool bounds.
+        min_size: The fewest connections the pool keeps open.
+        max_size: The most connections the pool opens.
         timeout: Seconds one call may take (getting a pooled connection, connecting, and
             waiting for the server's answer) before failing with ``LeaseStoreUnavailable``;
             also the most ``close()`` waits for a server that does not answer.

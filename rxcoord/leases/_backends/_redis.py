@@ -61,8 +61,8 @@ connection the server has closed (a restart) is noticed before reuse and replace
 call after a restart succeeds. On a cluster, commands go through redis-py's ``RedisCluster``
 (slot routing, ``MOVED``/``ASK``) with its retries turned off for the same reason, and the
 listener subscribes on one node: classic pub/sub messages reach every node of a cluster.
-Refusals no retry can fix (``WRONGPASS``, ``NOPERM``, ``NOAUTH``, a cluster node given to a
-plain provider) raise ``LeaseStoreMisconfigured``.
+Refusals no retry can fix (``WRONGPASS``, ``NOPERM``, ``NOAUTH``, a database index the server
+does not have, a cluster node given to a plain provider) raise ``LeaseStoreMisconfigured``.
 """
 
 from __future__ import annotations
@@ -419,6 +419,9 @@ _PERMANENT_REPLIES: Final = (
     "ERR AUTH",
     "ERR invalid password",
     "ERR Client sent AUTH",
+    # SELECT of a database the server does not have (redis-py drops the "ERR " of the reply).
+    "DB index is out of range",
+    "ERR DB index is out of range",
 )
 _slot_tags: list[str] | None = None
 
@@ -531,6 +534,7 @@ class RedisLeases(LeaseProvider):
             pool = client.connection_pool
             self.url = repr(client)
         connection_class: Callable[..., Any] = pool.connection_class
+        self._db = pool.connection_kwargs.get("db", 0)  # named by the error for a missing one
         settings = {
             **pool.connection_kwargs,
             "socket_timeout": seconds,
@@ -643,6 +647,12 @@ class RedisLeases(LeaseProvider):
             fix = (
                 "grant the user EVALSHA, EVAL, PUBLISH and SUBSCRIBE on the prefix's keys "
                 "and channels (ACL SETUSER ... ~prefix* &prefix* +@scripting +@pubsub)"
+            )
+        elif "DB index is out of range" in text:
+            fix = (
+                f"the server has no database {self._db}: name one it has in the URL "
+                "(redis://host:port/0; the server's 'databases' setting, 16 by default, bounds "
+                "the index), or raise 'databases' in its configuration"
             )
         elif text.startswith("ERR unknown command"):
             fix = "the server lacks Lua scripting (EVALSHA): use Redis 6.2 or later"

@@ -36,6 +36,7 @@ import contextlib
 import os
 import socket
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
@@ -67,6 +68,41 @@ _PERMANENT: Final = (
 )
 
 
+def _check_usable(path: str) -> None:
+    """Refuse a database path this process can never use (checked once, at construction).
+
+    Raises:
+        LeaseStoreMisconfigured: See :class:`SqliteLeases`.
+    """
+    if path in ("", ":memory:"):  # private databases: nothing on disk
+        return
+    problem = _unusable(os.path.abspath(path))
+    if problem:
+        raise LeaseStoreMisconfigured(f"SQLite lease store {path!r} cannot be used: {problem}")
+
+
+def _unusable(full: str) -> str:
+    """Why this process can never use the database file ``full``, or ''."""
+    directory = os.path.dirname(full)
+    try:
+        if not stat.S_ISDIR(os.stat(directory).st_mode):
+            return f"{directory!r} is not a directory"
+    except FileNotFoundError:
+        return f"its directory {directory!r} does not exist: create it, or use another path"
+    except OSError as exc:  # a directory on the way this process may not enter, say
+        return f"its directory {directory!r} cannot be reached: {exc.strerror}"
+    if os.path.isdir(full):
+        return "it is a directory: name a database file in it (leases.db)"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return (
+            f"this process may not write in its directory {directory!r} (SQLite creates the "
+            "file and its -wal and -shm files beside it): use a directory it can write"
+        )
+    if os.path.exists(full) and not os.access(full, os.R_OK | os.W_OK):
+        return "this process may not read and write the file: use one it can"
+    return ""
+
+
 class SqliteLeases(LeaseProvider):
     """Leases in an SQLite database file, shared by the processes of one machine.
 
@@ -84,6 +120,11 @@ class SqliteLeases(LeaseProvider):
 
     Raises:
         ValueError: Invalid table name or durations.
+        LeaseStoreMisconfigured: ``path``'s directory does not exist or is not a directory,
+            this process may not write in it (SQLite creates the file and its ``-wal`` and
+            ``-shm`` files there), or ``path`` names a directory or a file this process may
+            not read and write: refused here rather than at the first grant, since no retry
+            would fix it.
     """
 
     backend = "sqlite"
@@ -102,6 +143,7 @@ class SqliteLeases(LeaseProvider):
         first = check_duration("poll[0]", poll[0])
         cap = check_duration("poll[1]", poll[1])
         self.path = os.fspath(path)
+        _check_usable(self.path)
         self.table = table
         self._durable = durable
         self._conn: sqlite3.Connection | None = None
@@ -447,9 +489,21 @@ from .._registry import LeaseBackend  # noqa: E402
 
 
 def _from_url(url: str, rest: str, **options: _Any) -> SqliteLeases:
-    """``sqlite:///abs/path.db`` or ``sqlite://relative.db``."""
+    """``sqlite:///abs/path.db``: ``sqlite://`` followed by an absolute path.
+
+    Raises:
+        ValueError: No path, or a relative one (``sqlite://rel.db``: in a URL the part after
+            ``//`` is a host, and a relative path depends on the working directory of every
+            process that reads the configuration).
+    """
     if not rest:
         raise ValueError(f"no database path in {url!r}: use sqlite:///path/to/leases.db")
+    if not os.path.isabs(rest):
+        raise ValueError(
+            f"{url!r} names no absolute path: write sqlite:// followed by an absolute path, "
+            f"sqlite://{os.path.abspath(rest)} (three slashes), or pass a relative path to "
+            "SqliteLeases(path)"
+        )
     return SqliteLeases(rest, **options)
 
 
