@@ -42,13 +42,13 @@ def subscribe_in_context(observable: reactivex.Observable[object], rid: str) -> 
     results: list[object] = []
     done = threading.Event()
 
+    def failed(error: Exception) -> None:
+        results.append(error)
+        done.set()
+
     def subscriber() -> None:
         request_id.set(rid)
-        observable.subscribe(
-            on_next=results.append,
-            on_error=lambda e: (results.append(e), done.set()),
-            on_completed=done.set,
-        )
+        observable.subscribe(on_next=results.append, on_error=failed, on_completed=done.set)
 
     threading.Thread(target=subscriber).start()
     assert done.wait(WAIT)
@@ -82,9 +82,10 @@ def test_locks_run_sync_job_on_a_scheduler_sees_the_subscribers_context(
     pool: ThreadPoolScheduler,
 ) -> None:
     locks = KeyedLocks()
-    results = subscribe_in_context(locks.run("k", seen_in_job, scheduler=pool), "req-2")
-    assert results[0] == ("req-2", results[0][1])  # type: ignore[index]
-    assert results[0][1] != threading.current_thread().name  # type: ignore[index]
+    (result,) = subscribe_in_context(locks.run("k", seen_in_job, scheduler=pool), "req-2")
+    assert isinstance(result, tuple)
+    assert result[0] == "req-2"
+    assert result[1] != threading.current_thread().name
 
 
 async def test_locks_run_async_job_sees_the_awaiting_tasks_context() -> None:

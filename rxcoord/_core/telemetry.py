@@ -124,10 +124,14 @@ __all__ = [
     "REJECT_REASONS",
     "Attributes",
     "Job",
+    "JobOutcome",
     "JobTelemetry",
     "KafkaTelemetry",
+    "LeaseOutcome",
     "LeaseTelemetry",
+    "PermitTelemetry",
     "RecordSpan",
+    "RejectReason",
     "capture",
     "coordinator",
     "fleet",
@@ -822,7 +826,8 @@ def _open_record(
     name: str, attributes: Attributes, headers: Sequence[tuple[str, Any]] | None
 ) -> Span:
     """In the handler's context: the parent from the headers, the span, made current."""
-    parent = _otel_propagate.extract(headers, getter=_HEADERS)
+    # Into the current (the consumer's) context: without a traceparent its span stays the parent.
+    parent = _otel_propagate.extract(headers, _otel_context.get_current(), getter=_HEADERS)
     span: Span = _tracer().start_span(
         name, context=parent, kind=_SpanKind.CONSUMER, attributes=attributes
     )

@@ -81,6 +81,7 @@ class Metrics:
 
     points: dict[str, dict[_AttrKey, Point]] = field(default_factory=dict)
     units: dict[str, str] = field(default_factory=dict)
+    current: set[str] = field(default_factory=set)  # instruments read as current values
 
     def names(self) -> set[str]:
         """The instruments that recorded something."""
@@ -140,12 +141,17 @@ class Telemetry:
         with self._lock:
             data = self.reader.get_metrics_data()
             merged = self._metrics
+            # Current values (up-down counters, gauges) are what this collection reports:
+            # an owner that is gone (or an attribute set no longer observed) drops out.
+            for name in merged.current:
+                merged.points.pop(name, None)
             for resource in data.resource_metrics if data is not None else ():
                 for scope in resource.scope_metrics:
                     for metric in scope.metrics:
                         merged.units[metric.name] = metric.unit or ""
                         points = merged.points.setdefault(metric.name, {})
-                        _merge(points, metric.data)
+                        if _merge(points, metric.data):
+                            merged.current.add(metric.name)
             return merged
 
     def spans(self, name: str | None = None) -> list[ReadableSpan]:
@@ -153,7 +159,8 @@ class Telemetry:
         return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
 
 
-def _merge(points: dict[_AttrKey, Point], data: Any) -> None:
+def _merge(points: dict[_AttrKey, Point], data: Any) -> bool:
+    """Add a collection's points; True if they are current values (not deltas)."""
     cumulative = (
         isinstance(data, Sum) and data.aggregation_temporality is AggregationTemporality.CUMULATIVE
     ) or isinstance(data, Gauge)
@@ -168,6 +175,7 @@ def _merge(points: dict[_AttrKey, Point], data: Any) -> None:
                 point.max = max(point.max, dp.max)
         elif isinstance(dp, NumberDataPoint):
             point.value = dp.value if cumulative else point.value + dp.value
+    return cumulative
 
 
 _installed: Telemetry | None = None
