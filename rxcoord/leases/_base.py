@@ -54,6 +54,7 @@ from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTime
 
 from ._background import Background
 from ._lease import DistributedLease, LeaseHolder
+from ._listing import StoreListing
 from ._notify import WaitHub
 from ._permits import PermitReply
 from ._validate import MAX_DURATION, MAX_NAME_BYTES, check_lease_args, check_timeout
@@ -219,6 +220,18 @@ class LeaseProvider(Closeable):
     @abstractmethod
     def _store_close(self) -> None:
         """Close connections; must not raise."""
+
+    @abstractmethod
+    def _store_list(self) -> StoreListing:
+        """Everything the store holds right now, read-only (``rxcoord inspect``; ``_listing.py``).
+
+        Writes nothing, creates no table or key and sweeps nothing: a store the provider never
+        set up lists empty. Every lease and group in the store (this provider's namespace:
+        its table or prefix), whoever holds it.
+
+        Raises:
+            LeaseStoreUnavailable, LeaseStoreMisconfigured: As the other primitives.
+        """
 
     # -- fleet permits (see _permits.py): a backend offers them by overriding all three ----------
 
