@@ -362,10 +362,19 @@ def _instruments() -> _Instruments:
     return made
 
 
-def _tracer() -> Any:
-    from rxcoord import __version__
+_tracer_made: Any = None
 
-    return _otel_trace.get_tracer("rxcoord", __version__)
+
+def _tracer() -> Any:
+    """rxcoord's tracer, got once: before an SDK is set it is the API's proxy, which turns
+    into the real tracer when one is."""
+    global _tracer_made
+    tracer = _tracer_made
+    if tracer is None:
+        from rxcoord import __version__
+
+        tracer = _tracer_made = _otel_trace.get_tracer("rxcoord", __version__)
+    return tracer
 
 
 def _ready() -> None:
