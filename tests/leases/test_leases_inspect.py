@@ -20,6 +20,7 @@ import pytest
 from rxcoord._cli.inspect import MEMORY_NOTE
 from rxcoord._cli.main import main
 from rxcoord.leases import LeaseProvider, LockTimeout, PostgresLeases
+from rxcoord.leases._listing import TenantEntry
 
 from .conftest import Backend, drop_table, pg_row_waited, wait_until
 
@@ -181,3 +182,28 @@ def test_inspect_rejects_options_of_another_backend(
 ) -> None:
     assert main(["inspect", f"sqlite://{tmp_path / 'x.db'}", "--prefix", "p:"]) == 2
     assert "--prefix and --cluster apply to redis://" in capsys.readouterr().err
+
+
+def test_inspect_leaves_out_what_expired_by_the_stores_clock() -> None:
+    from rxcoord.leases import MemoryLeases, MemoryLeaseStore
+
+    now = [1000.0]
+    store = MemoryLeaseStore(clock=lambda: now[0])
+    with MemoryLeases(store) as leases:
+        leases.acquire("short", at_most_for=1)
+        leases.acquire("long", at_most_for=60)
+        args = (1.0, 2, 3)  # weight, tenant limit, limit
+        leases._permits_acquire("g", "a", 2, *args, 1.0, 30.0, False)  # permits for 1 s
+        leases._permits_acquire("g", "b", 2, *args, 60.0, 5.0, False)  # 1 permit, demand 5 s
+        listing = leases._store_list()
+        assert [lease.name for lease in listing.leases] == ["long", "short"]
+        assert [(t.tenant, t.running, t.demand) for t in listing.groups[0].tenants] == [
+            ("a", 2, False),
+            ("b", 1, True),
+        ]
+        now[0] += 10  # a's permits, b's demand and the short lease have expired
+        listing = leases._store_list()
+        assert [lease.name for lease in listing.leases] == ["long"]
+        (group,) = listing.groups
+        assert (group.running, group.tenants) == (1, (TenantEntry("b", 1, None, False),))
+        assert group.next_expiry == 50.0
