@@ -24,6 +24,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -134,12 +135,14 @@ def run_child(mode: str, workload: str, size: int) -> float:
     return float(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def medians(workload: str, size: int, repeat: int) -> dict[str, float]:
+def medians(
+    workload: str, size: int, repeat: int, modes: tuple[str, ...] = MODES
+) -> dict[str, float]:
     """Each contender ``repeat`` times, alternating, in fresh processes; the medians."""
-    results: dict[str, list[float]] = {mode: [] for mode in MODES}
+    results: dict[str, list[float]] = {mode: [] for mode in modes}
     for index in range(repeat):
         # Rotate who goes first: start-up and machine drift hit every contender alike.
-        order = MODES[index % len(MODES) :] + MODES[: index % len(MODES)]
+        order = modes[index % len(modes) :] + modes[: index % len(modes)]
         for mode in order:
             results[mode].append(run_child(mode, workload, size))
     return {mode: statistics.median(values) for mode, values in results.items()}
@@ -153,15 +156,36 @@ _LABELS = {
 _UNITS = {"sync": "jobs/s", "async": "jobs/s", "lease": "pairs/s"}
 
 
-def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str, str, str]]:
-    """Rows for ``rxcoord bench``: per workload, API without SDK vs no API, and the SDK."""
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def bench_rows(
+    quick: bool, *, notes: list[str] | None = None, **options: object
+) -> list[tuple[str, str, str, str, str, str]]:
+    """Rows for ``rxcoord bench``: per workload, API without SDK vs no API, and the SDK.
+
+    Without ``opentelemetry-api`` there is nothing to compare: no rows, a note. Without the
+    SDK, only the rows without it.
+    """
+    if not installed("opentelemetry.metrics"):
+        if notes is not None:
+            notes.append("bench_otel left out: it needs pip install 'rxcoord[otel]'")
+        return []
+    modes = MODES if installed("opentelemetry.sdk") else ("none", "api")
+    if modes != MODES and notes is not None:
+        notes.append("bench_otel: no SDK rows (pip install opentelemetry-sdk)")
     repeat = 3 if quick else 5
     sizes = {"sync": 5_000, "async": 5_000, "lease": 20_000}
     if not quick:
         sizes = {key: value * 2 for key, value in sizes.items()}
     rows: list[tuple[str, str, str, str, str, str]] = []
     for workload in WORKLOADS:
-        figures = medians(workload, sizes[workload], repeat)
+        figures = medians(workload, sizes[workload], repeat, modes)
         unit = _UNITS[workload]
         rows.append(
             (
@@ -173,6 +197,8 @@ def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str,
                 ">= 0.95x",
             )
         )
+        if "sdk" not in figures:
+            continue
         rows.append(
             (
                 f"telemetry on (SDK, in-memory): {_LABELS[workload]}",
