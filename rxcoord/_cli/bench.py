@@ -48,6 +48,7 @@ BENCHMARKS = (
     "bench_locks",
     "bench_leases",
     "bench_fleet",
+    "bench_otel",
 )
 
 Verdict = Literal["met", "not met", "too small to judge", "no goal", "unreadable goal"]

@@ -9,6 +9,7 @@ for the layout).
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -676,7 +677,7 @@ class KeyedLocks(GrantTable):
             loop = subscriber_loop(default)
             if loop is not None:
                 observer = LoopObserver(observer, loop)
-            sink = RunSink(self, fn, pass_lease, observer, loop)
+            sink = RunSink(self, fn, pass_lease, observer, loop, contextvars.copy_context())
             acquisition = Acquisition(Lease(self, keys), sink, scheduler, timeout)
             sink.acquisition = acquisition
             acquisition.start()

@@ -30,6 +30,7 @@ cancellation and close racing with the grant.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import weakref
 from abc import abstractmethod
@@ -45,6 +46,7 @@ from reactivex.disposable import Disposable
 from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.observer import AutoDetachObserver
 
+from rxcoord._core import telemetry
 from rxcoord._core.futures import AwaitableObservable, last_value
 from rxcoord._core.jobs import JobRun, Work, job_takes_lease, subscriber_loop
 from rxcoord._core.lifecycle import Closeable
@@ -52,6 +54,7 @@ from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTime
 
 from ._background import Background
 from ._lease import DistributedLease, LeaseHolder
+from ._listing import StoreListing
 from ._notify import WaitHub
 from ._permits import PermitReply
 from ._validate import MAX_DURATION, MAX_NAME_BYTES, check_lease_args, check_timeout
@@ -156,6 +159,8 @@ class LeaseProvider(Closeable):
         # keep-alive stops and the name frees by at_most_for (see DistributedLease).
         self._held: weakref.WeakSet[DistributedLease] = weakref.WeakSet()
         self._background = Background(f"rxcoord-{self.backend}-leases")
+        # rxcoord.lease.wait and rxcoord.leases.lost; rxcoord.leases.held is read from _held.
+        self._telemetry = telemetry.leases(self.backend)
         # Waiting: name queues, timers on the shared timer thread, and a bounded worker pool
         # for the waiters' round trips (see _waiting.py). No thread per waiter.
         self._waits = Waits(self, poll)
@@ -166,6 +171,7 @@ class LeaseProvider(Closeable):
         self._extended = 0
         self._lost = 0
         self._store_errors = 0
+        self._telemetry.observe_held(self, LeaseProvider._held_count)
 
     # -- primitives (one round trip each, atomic on the store) ---------------------------------
 
@@ -214,6 +220,18 @@ class LeaseProvider(Closeable):
     @abstractmethod
     def _store_close(self) -> None:
         """Close connections; must not raise."""
+
+    @abstractmethod
+    def _store_list(self) -> StoreListing:
+        """Everything the store holds right now, read-only (``rxcoord inspect``; ``_listing.py``).
+
+        Writes nothing, creates no table or key and sweeps nothing: a store the provider never
+        set up lists empty. Every lease and group in the store (this provider's namespace:
+        its table or prefix), whoever holds it.
+
+        Raises:
+            LeaseStoreUnavailable, LeaseStoreMisconfigured: As the other primitives.
+        """
 
     # -- fleet permits (see _permits.py): a backend offers them by overriding all three ----------
 
@@ -294,9 +312,16 @@ class LeaseProvider(Closeable):
             LeaseProviderClosed: The provider was closed.
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        result = self._attempt(name, most, least)
+        begun = self._telemetry.begin()
+        try:
+            result = self._attempt(name, most, least)
+        except Exception:
+            self._telemetry.waited(begun, "failed")
+            raise
         if type(result) is float:
+            self._telemetry.waited(begun, "taken")
             return None
+        self._telemetry.waited(begun, "acquired")
         assert isinstance(result, DistributedLease)
         if keep_alive:
             result.start_keep_alive()
@@ -335,16 +360,25 @@ class LeaseProvider(Closeable):
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
         wait = check_timeout(timeout)
         deadline = None if wait is None else monotonic() + wait
+        begun = self._telemetry.begin()
         # The first attempt on the caller's thread: the uncontended path is one round trip.
-        result = self._attempt(name, most, least)
+        try:
+            result = self._attempt(name, most, least)
+        except Exception:
+            self._telemetry.waited(begun, "failed")
+            raise
         if isinstance(result, float):
             if wait == 0:
+                self._telemetry.waited(begun, "timed_out")
                 raise self._timeout_error(name, wait)
             # Then the one waiting state machine (see _waiting.py), this thread parked until
             # the wait's Waiter is granted: its own deadline timer, not this thread, ends it
-            # with LockTimeout. Interrupted (KeyboardInterrupt), nothing stays granted.
-            pending = self._waits.new(name, most, least, wait, deadline=deadline)
+            # with LockTimeout. Interrupted (KeyboardInterrupt), nothing stays granted. The
+            # wait records its outcome (rxcoord.lease.wait) from ``begun``.
+            pending = self._waits.new(name, most, least, wait, deadline=deadline, begun=begun)
             result = _lease_or_raise(self._waits.wait_blocking(pending, result))
+        else:
+            self._telemetry.waited(begun, "acquired")
         if keep_alive:
             _start_keep_alive(result)
         return result
@@ -572,8 +606,17 @@ class LeaseProvider(Closeable):
             pending = self._waits.new(
                 name, most, least, wait_for if wait else 0.0, skip_taken=not wait
             )
+            # The job runs in a copy of the subscriber's context (its contextvars: a request
+            # id, loguru's contextualize, the current span), whatever thread it runs on.
             sink = _LeaseRun(
-                self, job, pass_lease, keep_alive, pending, observer, subscriber_loop(scheduler_)
+                self,
+                job,
+                pass_lease,
+                keep_alive,
+                pending,
+                observer,
+                subscriber_loop(scheduler_),
+                contextvars.copy_context(),
             )
 
             def action() -> None:
@@ -854,6 +897,11 @@ class LeaseProvider(Closeable):
     def _listener_counts(self) -> tuple[int, int]:
         return 0, 0
 
+    def _held_count(self) -> int:
+        """Leases held through this provider (``rxcoord.leases.held``, read at collection)."""
+        with self._lock:
+            return len(self._held)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -968,6 +1016,8 @@ class LeaseProvider(Closeable):
                 self._lost += 1
             else:
                 self._released += 1
+        if lost:
+            self._telemetry.lost()
 
     def _forget_quietly(self, lease: DistributedLease) -> None:
         """Best effort for a lease known lost: free it if the store still has it as ours."""
@@ -1016,6 +1066,7 @@ class _LeaseRun(JobRun):
     """
 
     __slots__ = (
+        "context",
         "job",
         "keep_alive",
         "lease",
@@ -1040,8 +1091,10 @@ class _LeaseRun(JobRun):
         pending: LeaseWait,
         observer: abc.ObserverBase[Any],
         loop: asyncio.AbstractEventLoop | None,
+        context: contextvars.Context,
     ) -> None:
         super().__init__(observer, loop)
+        self.context = context  # the subscriber's, copied: the job and its work run in it
         self.provider = provider
         self.job = job
         self.pass_lease = pass_lease  # job(lease) rather than job() (see job_takes_lease)
@@ -1065,7 +1118,9 @@ class _LeaseRun(JobRun):
             return
         in_flight = False
         try:
-            in_flight = self._start_job(lease)
+            # In the subscriber's context: the job itself, and what starts its work (a
+            # coroutine's task is created in it, so it inherits the context too).
+            in_flight = self.context.run(self._start_job, lease)
         finally:
             if not in_flight:
                 with self.lock:

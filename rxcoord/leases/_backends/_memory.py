@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any as _Any
 
 from .._base import LeaseProvider
+from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import WaitHub
 from .._permits import PermitGroup, PermitReply, hub_name
 
@@ -189,6 +190,27 @@ class MemoryLeaseStore:
             self._keep(group, table)
         return lost
 
+    def listing(self) -> StoreListing:
+        """What the store holds now: unexpired leases and busy groups (read-only)."""
+        with self._lock:
+            now = self.clock()
+            leases = tuple(
+                LeaseEntry(name, record.token, record.until - now, record.released)
+                for name, record in sorted(self._records.items())
+                if record.until > now
+            )
+            groups = [
+                group_entry(name, now, table.permits.values(), table.limits, table.demand)
+                for name, table in sorted(self._groups.items())
+            ]
+        return StoreListing(
+            "memory",
+            leases,
+            tuple(g for g in groups if g is not None),
+            holders=False,
+            waiter_marks=False,
+        )
+
     def permit_groups(self) -> int:
         """Groups with state in the store (0 once every group is idle)."""
         with self._lock:
@@ -241,6 +263,9 @@ class MemoryLeases(LeaseProvider):
 
     def _store_close(self) -> None:
         self.store.detach(self._hub)
+
+    def _store_list(self) -> StoreListing:
+        return self.store.listing()
 
     def _permits_acquire(self, group: str, *args: _Any) -> PermitReply:
         return self.store.permits_acquire(group, *args)

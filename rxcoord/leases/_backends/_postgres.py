@@ -106,6 +106,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
+from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import Listener, WaitHub
 from .._permits import PermitReply, hub_name
 from .._validate import check_duration, check_table
@@ -821,6 +822,78 @@ class PostgresLeases(LeaseProvider):
             timeout,
         )
         return [int(token) for token in row[0]]
+
+    def _store_list(self) -> StoreListing:
+        """Read-only, on a connection of its own in a read-only transaction: no schema set-up
+        (a table nobody created lists nothing), no sweep."""
+        from ._pg_deadline import DeadlineConnection
+
+        deadline = monotonic() + self._timeout
+        try:
+            conn = DeadlineConnection.connect(self.conninfo, **self._connect_kwargs)
+        except self._psycopg.Error as exc:
+            raise self._error(exc, "list the leases") from exc
+        try:
+            conn.deadline = deadline
+            self._configure_connection(conn)
+            conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+            with conn.transaction():
+                found = conn.execute(
+                    "SELECT n.nspname, c.relname, EXISTS (SELECT FROM pg_catalog.pg_attribute "
+                    "WHERE attrelid = c.oid AND attname = 'waited' AND NOT attisdropped) "
+                    "FROM pg_catalog.pg_class c "
+                    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE c.oid = to_regclass(%s)",
+                    (self._table_literal,),
+                ).fetchone()
+                if found is None:
+                    return StoreListing("postgres", (), (), holders=True, waiter_marks=True)
+                schema, relation, has_waited = str(found[0]), str(found[1]), bool(found[2])
+                from psycopg import sql
+
+                table = sql.Identifier(schema, relation).as_string(None)
+                waited = "waited" if has_waited else "NULL::boolean"
+                leases = tuple(
+                    LeaseEntry(str(n), int(tok), float(left), bool(rel), str(by), w)
+                    for n, tok, left, rel, by, w in conn.execute(
+                        "SELECT name, token, "
+                        "extract(epoch FROM locked_until - clock_timestamp())::float8, "
+                        f"released, locked_by, {waited} FROM {table} "
+                        "WHERE locked_until > clock_timestamp() ORDER BY name"
+                    ).fetchall()
+                )
+                permits = sql.Identifier(
+                    schema, _derived_identifier(relation, "_permits")
+                ).as_string(None)
+                exists = conn.execute("SELECT to_regclass(%s)", (permits,)).fetchone()
+                groups = []
+                if exists is not None and exists[0] is not None:
+                    for name, now, holders, untils, tenants, limits, demand in conn.execute(
+                        "SELECT name, date_part('epoch', clock_timestamp()), holders, untils, "
+                        f"tenants, limits, demand FROM {permits} ORDER BY name"
+                    ).fetchall():
+                        entry = group_entry(
+                            str(name),
+                            float(now),
+                            zip(holders, untils, strict=True),
+                            {
+                                t: int(lim)
+                                for t, lim in zip(tenants, limits, strict=True)
+                                if lim is not None
+                            },
+                            {
+                                t: float(d)
+                                for t, d in zip(tenants, demand, strict=True)
+                                if d is not None
+                            },
+                        )
+                        if entry is not None:
+                            groups.append(entry)
+        except self._psycopg.Error as exc:
+            raise self._error(exc, "list the leases") from exc
+        finally:
+            conn.close()
+        return StoreListing("postgres", leases, tuple(groups), holders=True, waiter_marks=True)
 
     def _store_close(self) -> None:
         self._draining = True

@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, Final
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
+from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import Listener, WaitHub
 from .._permits import PermitReply, hub_name
 from .._validate import check_duration
@@ -165,6 +166,16 @@ else
 end
 redis.call('PUBLISH', ARGV[2], '')
 return 1
+"""
+
+# KEYS: a group's permits, demand, state. Read-only, for rxcoord inspect: Redis's clock (ms),
+# then the three keys as they are (expired entries included: the caller filters by the clock).
+_PERMITS_READ: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {tostring(now), redis.call('HGETALL', KEYS[3]),
+        redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'),
+        redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')}
 """
 
 # -- fleet permits (the table of _permits.py; see "Keys" above) ----------------------------------
@@ -449,6 +460,17 @@ def _tag_for_slot(slot: int) -> str:
 
 def _sha(script: str) -> str:
     return hashlib.sha1(script.encode()).hexdigest()
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a SCAN ``MATCH`` pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _reply_dict(flat: Any) -> dict[str, str]:
+    """A flat ``[key, value, ...]`` script reply (HGETALL, ZRANGE WITHSCORES) as a dict."""
+    items = [v.decode() if isinstance(v, bytes) else str(v) for v in flat or ()]
+    return dict(zip(items[::2], items[1::2], strict=True))
 
 
 def _ms(seconds: float) -> int:
@@ -753,6 +775,71 @@ class RedisLeases(LeaseProvider):
     def _store_close(self) -> None:
         self._connections.close()
 
+    def _store_list(self) -> StoreListing:
+        """SCAN the prefix's keys (every primary of a cluster), then read each lease and group
+        with a read-only script. Redis records no holder and marks no waiters."""
+        leases: list[LeaseEntry] = []
+        groups = []
+        try:
+            keys = sorted(set(self._scan(_glob_escape(self.prefix) + "*")))
+        except self._errors as exc:
+            raise self._error(exc, "list the leases") from exc
+        for key in keys:
+            rest = key[len(self.prefix) :]
+            if rest.startswith("fleet:{#") and rest.endswith("}:t"):
+                group = rest[len("fleet:{#") : -len("}:t")]
+                entry = self._read_group(group)
+                if entry is not None:
+                    groups.append(entry)
+                continue
+            if rest.startswith("}{#") and rest.endswith("}") and self.cluster:
+                name = rest[3:-1]  # a name starting with "}" on a cluster (see _key)
+            elif rest.startswith("{") and rest.endswith("}"):
+                name = rest[1:-1]
+            else:
+                continue  # the token sequence, a legacy counter, a group's sets
+            found = self._store_holder(name)
+            if found is not None:
+                token, left, released = found
+                leases.append(LeaseEntry(name, token, left, released))
+        leases.sort(key=lambda entry: entry.name)
+        return StoreListing(
+            "redis", tuple(leases), tuple(groups), holders=False, waiter_marks=False
+        )
+
+    def _scan(self, pattern: str) -> list[str]:
+        connections = self._connections
+        if isinstance(connections, _ClusterCommands):
+            found = connections._cluster.scan_iter(match=pattern, count=1000)
+            return [k.decode() if isinstance(k, bytes) else str(k) for k in found]
+        keys: list[str] = []
+        cursor: Any = 0
+        while True:
+            cursor, batch = connections.call("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
+            keys.extend(k.decode() if isinstance(k, bytes) else str(k) for k in batch)
+            if int(cursor) == 0:
+                return keys
+
+    def _read_group(self, group: str) -> Any:
+        reply = self._eval(
+            _PERMITS_READ, _PERMITS_READ_SHA, 3, *self._permit_keys(group), action="list a group"
+        )
+        now = float(reply[0])
+        state = _reply_dict(reply[1])
+        permits = [
+            (member.split(":", 1)[1], float(score))
+            for member, score in _reply_dict(reply[2]).items()
+        ]
+        demand = {tenant: float(until) for tenant, until in _reply_dict(reply[3]).items()}
+        limits = {field[1:]: int(value) for field, value in state.items() if field.startswith("l")}
+        return group_entry(
+            group,
+            now / 1000.0,
+            ((t, u / 1000.0) for t, u in permits),
+            limits,
+            {t: u / 1000.0 for t, u in demand.items()},
+        )
+
     # -- fleet permits (see _permits.py and the module docstring's "Keys") ------------------
 
     def _permit_keys(self, group: str) -> tuple[str, str, str]:
@@ -843,6 +930,7 @@ _RELEASE_SHA: Final = _sha(_RELEASE)
 _PERMITS_ACQUIRE_SHA: Final = _sha(_PERMITS_ACQUIRE)
 _PERMITS_RELEASE_SHA: Final = _sha(_PERMITS_RELEASE)
 _PERMITS_EXTEND_SHA: Final = _sha(_PERMITS_EXTEND)
+_PERMITS_READ_SHA: Final = _sha(_PERMITS_READ)
 
 
 class _Connections:

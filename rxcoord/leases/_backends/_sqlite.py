@@ -40,12 +40,14 @@ import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
+from pathlib import Path
 from time import monotonic
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
+from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import WaitHub
 from .._permits import PermitGroup, PermitReply, hub_name
 from .._validate import check_duration, check_table
@@ -205,6 +207,12 @@ class SqliteLeases(LeaseProvider):
         # Permits take their tokens from the leases' sequence (read once, written back once).
         self._sql_seq_read = f"SELECT token FROM {q} WHERE id = 1"
         self._sql_seq_write = f"UPDATE {q} SET token = ?1 WHERE id = 1 AND token < ?1"
+        # rxcoord inspect: read-only, on a connection of its own (no schema set-up, no sweep).
+        self._sql_list = (
+            f"SELECT name, token, locked_until - {_NOW}, released, locked_by FROM {t} "
+            f"WHERE locked_until > {_NOW} ORDER BY name"
+        )
+        self._sql_list_groups = f"SELECT name, state, {_NOW} FROM {permits} ORDER BY name"
         self._next_sweep = 0.0
         super().__init__(WaitHub(), poll=(first, max(first, cap)))
 
@@ -450,12 +458,53 @@ class SqliteLeases(LeaseProvider):
             lambda table, now, _: table.extend(now, permits, most),
         )
 
+    def _store_list(self) -> StoreListing:
+        try:
+            # Read-only (mode=ro): a missing file is an error, never created; missing tables
+            # (a file no provider has set up) list nothing.
+            conn = sqlite3.connect(
+                f"{Path(self.path).resolve().as_uri()}?mode=ro",
+                uri=True,
+                timeout=self._timeout,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise self._fail(exc, "list the leases") from exc
+        try:
+            leases = tuple(
+                LeaseEntry(str(name), int(token), float(left), bool(released), str(holder))
+                for name, token, left, released, holder in _rows(conn, self._sql_list)
+            )
+            groups = []
+            for name, state, now in _rows(conn, self._sql_list_groups):
+                table = PermitGroup.loads(state)
+                entry = group_entry(
+                    str(name), float(now), table.permits.values(), table.limits, table.demand
+                )
+                if entry is not None:
+                    groups.append(entry)
+        except sqlite3.Error as exc:
+            raise self._fail(exc, "list the leases") from exc
+        finally:
+            conn.close()
+        return StoreListing("sqlite", leases, tuple(groups), holders=True, waiter_marks=False)
+
     def _store_close(self) -> None:
         with self._conn_lock:
             conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
+
+
+def _rows(conn: sqlite3.Connection, query: str) -> list[Any]:
+    """All rows of a read-only query; none when its table does not exist (yet)."""
+    try:
+        return conn.execute(query).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return []
+        raise
 
 
 class _Tokens:
