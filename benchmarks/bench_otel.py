@@ -97,11 +97,12 @@ RUNS = 5  # measured runs per child: the best one counts (interference only slow
 
 def measure(workload: str, size: int) -> float:
     """In a child: one warm-up run, then the best of :data:`RUNS`; operations per second."""
-    from bench_coordinator import rxcoord_async, rxcoord_sync
+    from bench_asyncio import unkeyed_rxcoord
+    from bench_coordinator import rxcoord_sync
 
     run = {
         "sync": lambda n: rxcoord_sync(n, WORKERS),
-        "async": lambda n: rxcoord_async(n, WORKERS),
+        "async": lambda n: unkeyed_rxcoord(n, "args"),
         "lease": lease_pairs,
     }[workload]
     run(max(1, size // 5))
@@ -150,7 +151,7 @@ def medians(
 
 _LABELS = {
     "sync": f"trivial sync jobs ({WORKERS} workers)",
-    "async": f"trivial async jobs, awaited (limit {WORKERS})",
+    "async": "trivial async jobs as execute(h, i), awaited (limit 8)",
     "lease": "MemoryLeases try_acquire + release",
 }
 _UNITS = {"sync": "jobs/s", "async": "jobs/s", "lease": "pairs/s"}
