@@ -1,5 +1,4 @@
 import asyncio
-from functools import partial
 
 from rxcoord import TenantScheduler
 
@@ -13,7 +12,7 @@ async def main() -> None:
     # 4 jobs at once in all, 2 per tenant; one customer's orders run one at a time, in order.
     async with TenantScheduler(4, tenant_max_concurrency=2) as scheduler:
         jobs = [
-            scheduler.execute(tenant, partial(charge, customer, order), key=customer)
+            scheduler.execute(tenant, charge, customer, order, key=customer)
             for tenant, customer in [("acme", "alice"), ("acme", "bob"), ("globex", "carol")]
             for order in range(3)
         ]
