@@ -21,6 +21,7 @@ from loguru import logger as _logger
 from ._admission import Admission, AdmissionTicket, Permit
 from ._coordinator import CoordinatorStats, Execution, ReactorCoordinator, TenantTaskCoordinator
 from ._core.lifecycle import CoordinatorState
+from ._core.retry import Retry
 from ._errors import (
     CoordinatorClosed,
     LeaseError,
@@ -68,6 +69,7 @@ __all__ = [
     "LockTimeout",
     "Permit",
     "ReactorCoordinator",
+    "Retry",
     "RxcoordError",
     "SchedulerStats",
     "StaleToken",

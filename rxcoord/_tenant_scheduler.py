@@ -52,6 +52,7 @@ from ._core.checks import (
     check_weight,
 )
 from ._core.lifecycle import Closeable, CoordinatorState
+from ._core.retry import Retry
 from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
 from ._errors import CoordinatorClosed
@@ -74,7 +75,8 @@ class SchedulerStats:
 
     ``running`` counts jobs holding a global slot (never more than ``max_concurrency``);
     ``queued`` counts jobs accepted and not yet running, in tenants' queues or at the gate;
-    ``waiting`` submissions beyond their tenant's limits waiting for room (``overflow="wait"``).
+    ``waiting`` submissions beyond their tenant's limits waiting for room (``overflow="wait"``);
+    ``retrying`` jobs waiting for their next attempt, ``retries`` attempts beyond the first.
     ``fleet``: with ``fleet=``, the fleet admission's snapshot: fleet-wide running counts (in
     total and per tenant) as last seen from the store.
     """
@@ -92,11 +94,13 @@ class SchedulerStats:
     max_concurrency: int
     waiting: int = 0
     fleet: FleetStats | None = None
+    retries: int = 0
+    retrying: int = 0
 
     @property
     def work_in_progress(self) -> int:
-        """Jobs queued or running."""
-        return self.queued + self.running
+        """Jobs queued, running or waiting for their next attempt."""
+        return self.queued + self.running + self.retrying
 
 
 class _Tenant:
@@ -155,6 +159,9 @@ class TenantScheduler(Closeable):
             (renewed while its job runs): the most a crashed process keeps its slots. A job
             whose permit lapsed (its process was paused past it) fails with ``LeaseLost``;
             :func:`~rxcoord.current_permit` gives a job its permit's fencing token.
+        retry: A :class:`~rxcoord.Retry` policy for every job (``execute(retry=...)``
+            overrides it per call), as for ``TenantTaskCoordinator``: between attempts a job
+            keeps its key and holds neither its tenant's slot nor a global (or fleet) permit.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -175,6 +182,7 @@ class TenantScheduler(Closeable):
         overflow: Overflow = "reject",
         fleet: LeaseProvider | None = None,
         permit_at_most_for: float = 30.0,
+        retry: Retry | None = None,
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         tenant_limit = check_count(tenant_max_concurrency, "tenant_max_concurrency", 1)
@@ -213,6 +221,7 @@ class TenantScheduler(Closeable):
             "max_queue_size": tenant_queue,
             "timeout": self._timeout,
             "overflow": overflow,
+            "retry": retry,
         }
         self._lock = threading.Lock()
         self._state = CoordinatorState.OPEN
@@ -220,7 +229,7 @@ class TenantScheduler(Closeable):
         self._evicted = 0
         # Counters of evicted tenants, and refusals made by the scheduler itself.
         self._retired = dict.fromkeys(
-            ("submitted", "completed", "failed", "rejected", "cancelled", "timed_out"), 0
+            ("submitted", "completed", "failed", "rejected", "cancelled", "timed_out", "retries"), 0
         )
 
     # -- public API --------------------------------------------------------------------------
@@ -245,6 +254,7 @@ class TenantScheduler(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[_T]: ...
 
     @overload
@@ -257,6 +267,7 @@ class TenantScheduler(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[_T]: ...
 
     # No arguments, any callable: mypy cannot infer ``lambda n=n: work(n)`` against
@@ -272,6 +283,7 @@ class TenantScheduler(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[_T]: ...
 
     @overload
@@ -284,6 +296,7 @@ class TenantScheduler(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[_T]: ...
 
     def execute(  # type: ignore[misc]  # mypy: an Any-typed *args "misses" the *_Ts of the above
@@ -295,6 +308,7 @@ class TenantScheduler(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[Any]:
         """Return a cold Observable that runs ``fn(*args)`` for ``tenant`` once per
         subscription (or ``await``).
@@ -304,12 +318,13 @@ class TenantScheduler(Closeable):
 
         Raises:
             TypeError: ``tenant`` or ``key`` is unhashable, ``fn`` is not callable or cannot
-                be called with ``args``, or ``timeout`` is not a number.
+                be called with ``args``, ``timeout`` is not a number, or ``retry`` is not a
+                ``Retry``.
             ValueError: ``timeout`` is not positive, ``overflow`` not one of the two strings.
         """
         check_hashable(tenant, "tenant")  # an unhashable tenant fails here, at the call
         return execution(
-            _TenantOwner(self, tenant), fn, args, key, timeout, self._timeout, overflow
+            _TenantOwner(self, tenant), fn, args, key, timeout, self._timeout, overflow, retry
         )
 
     @overload
@@ -345,13 +360,14 @@ class TenantScheduler(Closeable):
             tenants = list(self._tenants.values())
             totals = dict(self._retired)
             evicted = self._evicted
-        queued = waiting = running = 0
+        queued = waiting = running = retrying = 0
         for live in tenants:
             snapshot = live.coordinator.stats()
             for field in totals:
                 totals[field] += getattr(snapshot, field)
             queued += snapshot.queued
             waiting += snapshot.waiting
+            retrying += snapshot.retrying
             # From the tenants, not the gate: a job being admitted holds its global permit a
             # moment before its tenant counts it as running (it would count twice).
             running += snapshot.running
@@ -362,6 +378,7 @@ class TenantScheduler(Closeable):
             running=running,
             max_concurrency=self._max_concurrency,
             waiting=waiting,
+            retrying=retrying,
             fleet=None if self._fleet is None else self._fleet.stats(),
             **totals,
         )

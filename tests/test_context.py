@@ -17,13 +17,12 @@ from collections.abc import Iterator
 import pytest
 import reactivex
 from reactivex.scheduler import ThreadPoolScheduler
+from support.waiting import WAIT
 
 from rxcoord import KeyedLocks
 from rxcoord.leases import MemoryLeases, MemoryLeaseStore
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
-
-WAIT = 10.0
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from execution_support import WAIT, Gate, Outcome
 from reactivex import abc
 from reactivex.scheduler import ThreadPoolScheduler
+from support.execution import WAIT, Gate, Outcome
 
 from rxcoord import CoordinatorClosed, CoordinatorStats, TenantTaskCoordinator
 

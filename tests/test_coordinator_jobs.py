@@ -12,10 +12,9 @@ import pytest
 import reactivex
 from reactivex import operators as ops
 from reactivex.subject import Subject
+from support.waiting import WAIT
 
 from rxcoord import CoordinatorClosed, TenantTaskCoordinator
-
-WAIT = 10.0
 
 
 class Collect:

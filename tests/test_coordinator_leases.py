@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import WAIT
 
 from rxcoord import LeaseKeyGuard, TenantTaskCoordinator
 from rxcoord.leases import MemoryLeases, MemoryLeaseStore
-
-WAIT = 10.0
 
 
 class KeyMeter:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from execution_support import WAIT, Gate, Outcome
+from support.execution import WAIT, Gate, Outcome
 
 from rxcoord import (
     FleetAdmission,

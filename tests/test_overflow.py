@@ -8,20 +8,17 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reactivex import abc
-from reactivex.disposable import Disposable
-from reactivex.scheduler.scheduler import Scheduler
+from support.execution import ManualScheduler
+from support.waiting import WAIT
 
 from rxcoord import CoordinatorClosed, TenantScheduler, TenantTaskCoordinator, TooManyTasks
 from rxcoord._admission import FairShareGate
-
-WAIT = 10.0
 
 
 class Meter:
@@ -448,24 +445,6 @@ def _recorder(
         log.append("completed")
 
     return on_next, on_error, on_completed
-
-
-class ManualScheduler(Scheduler):
-    """Runs a scheduled action only when the test says so: 'running' jobs stay running."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.actions: list[Callable[[], Any]] = []
-
-    def schedule(self, action: Any, state: Any = None) -> abc.DisposableBase:
-        self.actions.append(lambda: action(self, state))
-        return Disposable()
-
-    def schedule_relative(self, duetime: Any, action: Any, state: Any = None) -> Any:
-        raise NotImplementedError
-
-    def schedule_absolute(self, duetime: datetime | float, action: Any, state: Any = None) -> Any:
-        raise NotImplementedError
 
 
 ops = st.lists(

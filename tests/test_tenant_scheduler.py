@@ -14,11 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from execution_support import WAIT, Gate, Outcome, ThreadedVirtualScheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loguru import logger
 from reactivex.testing import TestScheduler
+from support.execution import WAIT, Gate, Outcome, ThreadedVirtualScheduler
+from support.waiting import wait_until
 
 from rxcoord import (
     CoordinatorClosed,
@@ -28,14 +29,6 @@ from rxcoord import (
     TenantScheduler,
     TooManyTasks,
 )
-
-
-def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Poll a state no event announces (only the idle-timeout eviction, on the real timer)."""
-    deadline = time.monotonic() + WAIT
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
 
 
 class Meter:

@@ -36,6 +36,7 @@ from typing import Any, Final, Protocol, TypeVar, cast
 from reactivex import Observable, abc
 
 from .._core.checks import check_deadline, check_hashable, check_overflow
+from .._core.retry import Retry
 
 __all__ = [
     "Execution",
@@ -77,11 +78,11 @@ class Execution(Observable[_T]):
 
     Attributes (read by the owner): ``job`` and ``args`` (called as ``job(*args)``), ``key``,
     ``deadline`` (the job's timeout in seconds, or None), ``wait`` (``overflow="wait"`` for
-    this call; None: the owner's default) and ``is_async`` (where the job runs, see the module
-    docstring).
+    this call; None: the owner's default), ``retry_policy`` (this call's; None: the owner's)
+    and ``is_async`` (where the job runs, see the module docstring).
     """
 
-    __slots__ = ("_owner", "args", "deadline", "is_async", "job", "key", "wait")
+    __slots__ = ("_owner", "args", "deadline", "is_async", "job", "key", "retry_policy", "wait")
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class Execution(Observable[_T]):
         timeout: float | None,
         wait: bool | None,
         is_async: bool,
+        retry: Retry | None = None,
     ) -> None:
         # Not Observable.__init__: its RLock serves subclasses that use it (Subjects); this one
         # never does, and a lock per execute() call is measurable (bench_asyncio's rows).
@@ -103,6 +105,7 @@ class Execution(Observable[_T]):
         self.deadline = timeout  # (``timeout`` is an Observable operator's name)
         self.wait = wait
         self.is_async = is_async
+        self.retry_policy = retry  # this call's; None: the owner's (``retry`` is an operator)
 
     def _subscribe_core(
         self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
@@ -188,12 +191,13 @@ def execution(
     timeout: float | None,
     default_timeout: float | None,
     overflow: str | None,
+    retry: Retry | None = None,
 ) -> Execution[Any]:
     """Check ``execute``'s arguments at the call and build its cold Observable.
 
     Raises:
         TypeError: ``job`` is not callable or cannot be called with ``args``, ``key`` is
-            unhashable, ``timeout`` is not a number.
+            unhashable, ``timeout`` is not a number, ``retry`` is not a ``Retry``.
         ValueError: ``timeout`` is not positive, ``overflow`` is neither "reject" nor "wait".
     """
     wait = None if overflow is None else check_overflow(overflow)
@@ -204,7 +208,9 @@ def execution(
         except TypeError:
             check_hashable(key, "key")  # raises, with the one policy's message
     timeout = default_timeout if timeout is None else check_deadline(timeout)
-    return Execution(owner, job, args, key, timeout, wait, is_async)
+    if retry is not None and not isinstance(retry, Retry):
+        raise TypeError(f"retry must be a rxcoord.Retry or None, not {retry!r}")
+    return Execution(owner, job, args, key, timeout, wait, is_async, retry)
 
 
 def check_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:

@@ -51,6 +51,7 @@ import contextlib
 import contextvars
 import inspect
 import threading
+import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from types import CoroutineType
@@ -65,6 +66,7 @@ from reactivex.scheduler.eventloop import AsyncIOScheduler
 from .._admission import Admission, AdmissionTicket, Permit
 from .._core.checks import check_count, check_deadline, check_length, check_name, check_overflow
 from .._core.lifecycle import Closeable, CoordinatorState
+from .._core.retry import Retry, gave_up
 from .._core.timer import call_later
 from .._core.waiter import GRANTED, PENDING
 from .._core.workers import WorkerPool, hand_off
@@ -117,11 +119,15 @@ class CoordinatorStats:
     one of ``rejected`` (refused at once: ``TooManyTasks`` or ``CoordinatorClosed``),
     ``completed``, ``failed`` (the job raised, or could not be started), ``cancelled`` (the
     subscriber disposed, or the coordinator closed) or ``timed_out`` - or it is still pending.
-    ``work_in_progress`` is ``queued + running``; a cancelled sync job stays ``running`` until
-    its thread returns. ``queued`` counts jobs waiting for their turn or their admission's
-    permit. ``waiting`` counts submissions beyond the limits waiting for room
-    (``overflow="wait"``): not work in progress yet. ``fleet`` is the fleet admission's
-    snapshot (fleet-wide running counts as last seen from the store) with ``fleet=``.
+    ``work_in_progress`` is ``queued + running + retrying``; a cancelled sync job stays
+    ``running`` until its thread returns. ``queued`` counts jobs waiting for their turn or their
+    admission's permit; ``retrying`` jobs waiting for their next attempt (they keep their key,
+    hold no slot), and ``retries`` the attempts beyond the first so far. ``waiting`` counts
+    submissions beyond the limits waiting for room (``overflow="wait"``): not work in progress
+    yet. With ``stall_after``, ``stalled`` counts jobs in progress (attempts and waits
+    together) for longer than that, and ``oldest`` is the longest any job in progress has been
+    at it, in seconds. ``fleet`` is the fleet admission's snapshot (fleet-wide running counts
+    as last seen from the store) with ``fleet=``.
     """
 
     name: str
@@ -137,11 +143,15 @@ class CoordinatorStats:
     max_queue_size: int
     waiting: int = 0
     fleet: FleetStats | None = None
+    retries: int = 0
+    retrying: int = 0
+    stalled: int = 0
+    oldest: float = 0.0
 
     @property
     def work_in_progress(self) -> int:
-        """Jobs queued or running."""
-        return self.queued + self.running
+        """Jobs queued, running or waiting for their next attempt."""
+        return self.queued + self.running + self.retrying
 
 
 class TenantTaskCoordinator(Closeable):
@@ -204,6 +214,16 @@ class TenantTaskCoordinator(Closeable):
             room in FIFO order: ``await`` suspends, ``.run()`` blocks, a subscription is
             admitted later; disposing it withdraws it). ``execute(overflow=...)`` overrides it
             per call.
+        retry: A :class:`~rxcoord.Retry` policy for every job (``execute(retry=...)`` overrides
+            it per call): a job that fails with a retried exception waits for its next attempt
+            keeping its key (later jobs of the key stay behind it) but holding no slot, permit
+            or thread, then queues for a slot again; ``timeout`` applies to each attempt.
+            ``None``: no retries.
+        stall_after: Seconds a job may be in progress (its attempts and the waits between
+            them) before it counts as stalled: ``on_stall(key, seconds)`` is called once and
+            ``stats()`` shows it. ``None``: not watched.
+        on_stall: Called (on a worker thread) with a stalled job's key (None if unkeyed) and
+            the seconds it has been in progress.
 
     Raises:
         TypeError: an argument has the wrong type (``leases`` not a lease provider, ``name``
@@ -229,6 +249,9 @@ class TenantTaskCoordinator(Closeable):
         on_idle: Callable[[], object] | None = None,
         log_context: Mapping[str, Any] | None = None,
         overflow: Overflow = "reject",
+        retry: Retry | None = None,
+        stall_after: float | None = None,
+        on_stall: Callable[[Hashable | None, float], object] | None = None,
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         self._max_queue_size = check_count(max_queue_size, "max_queue_size", 0)
@@ -262,6 +285,15 @@ class TenantTaskCoordinator(Closeable):
             raise TypeError(f"on_idle must be callable or None, not {on_idle!r}")
         self._on_idle = on_idle
         self._idle_callbacks: list[Callable[[], object]] = []  # a draining close waits here
+        if retry is not None and not isinstance(retry, Retry):
+            raise TypeError(f"retry must be a rxcoord.Retry or None, not {retry!r}")
+        self._retry = retry
+        self._stall_after = check_deadline(stall_after, "stall_after")
+        if on_stall is not None and not callable(on_stall):
+            raise TypeError(f"on_stall must be callable or None, not {on_stall!r}")
+        if on_stall is not None and self._stall_after is None:
+            raise ValueError("on_stall needs stall_after: the seconds after which a job stalls")
+        self._on_stall = on_stall
 
         self._lock = threading.Lock()
         self._table: TaskTable[Task] = TaskTable(
@@ -327,13 +359,21 @@ class TenantTaskCoordinator(Closeable):
     def queued(self) -> int:
         """Jobs accepted and waiting for their turn (or their admission's permit)."""
         counts = self._table.counts
-        return counts[QUEUED] + counts[GATED] + counts[RETRYING]
+        return counts[QUEUED] + counts[GATED]
 
     def stats(self) -> CoordinatorStats:
         """A consistent snapshot of the counters."""
+        stalled, oldest = 0, 0.0
         with self._lock:
             table = self._table
             counts = table.counts
+            if self._stall_after is not None:
+                now = self._now()
+                ages = [
+                    now - t.first_start for t in table.lanes.items() if t.first_start is not None
+                ]
+                oldest = max(ages, default=0.0)
+                stalled = sum(age > self._stall_after for age in ages)
             return CoordinatorStats(
                 name=self._name,
                 submitted=table.submitted,
@@ -342,12 +382,16 @@ class TenantTaskCoordinator(Closeable):
                 rejected=table.rejected,
                 cancelled=table.cancelled,
                 timed_out=table.timed_out,
-                queued=counts[QUEUED] + counts[GATED] + counts[RETRYING],
+                queued=counts[QUEUED] + counts[GATED],
                 running=counts[RUNNING],
                 max_concurrency=self._max_concurrency,
                 max_queue_size=self._max_queue_size,
                 waiting=counts[WAITING],
                 fleet=None if self._fleet is None else self._fleet.stats(),
+                retries=table.retries,
+                retrying=counts[RETRYING],
+                stalled=stalled,
+                oldest=oldest,
             )
 
     @overload
@@ -359,6 +403,7 @@ class TenantTaskCoordinator(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[_T]: ...
 
     @overload
@@ -370,6 +415,7 @@ class TenantTaskCoordinator(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[_T]: ...
 
     # No arguments, any callable: mypy cannot infer ``lambda n=n: work(n)`` against
@@ -384,6 +430,7 @@ class TenantTaskCoordinator(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[_T]: ...
 
     @overload
@@ -395,6 +442,7 @@ class TenantTaskCoordinator(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[_T]: ...
 
     def execute(  # type: ignore[misc]  # mypy: an Any-typed *args "misses" the *_Ts of the above
@@ -405,6 +453,7 @@ class TenantTaskCoordinator(Closeable):
         key: Hashable | None = None,
         timeout: float | None = None,
         overflow: Overflow | None = None,
+        retry: Retry | None = None,
     ) -> Execution[Any]:
         """Return a cold Observable that runs ``fn(*args)`` under this coordinator once per
         subscription (or ``await``).
@@ -420,6 +469,8 @@ class TenantTaskCoordinator(Closeable):
             timeout: Seconds the job may run, counted from its start; overrides the
                 coordinator's default.
             overflow: ``"reject"`` or ``"wait"`` for this call; ``None``: the coordinator's.
+            retry: The retry policy for this call (``Retry(attempts=1)``: none); ``None``: the
+                coordinator's.
 
         Returns:
             An Observable emitting the job's result once, or erroring with the job's exception,
@@ -428,10 +479,10 @@ class TenantTaskCoordinator(Closeable):
 
         Raises:
             TypeError: ``fn`` is not callable or cannot be called with ``args``, ``key`` is
-                unhashable, or ``timeout`` is not a number.
+                unhashable, ``timeout`` is not a number, or ``retry`` is not a ``Retry``.
             ValueError: ``timeout`` is not positive, ``overflow`` not one of the two strings.
         """
-        return execution(self, fn, args, key, timeout, self._timeout, overflow)
+        return execution(self, fn, args, key, timeout, self._timeout, overflow, retry)
 
     def close(self, wait: bool = True, *, drain: bool = False) -> None:
         """Close the coordinator; idempotent.
@@ -524,6 +575,7 @@ class TenantTaskCoordinator(Closeable):
             loop,
             job_loop,
             contextvars.copy_context(),
+            self._retry if execution.retry_policy is None else execution.retry_policy,
         )
         if is_async and job_loop is None:
             with self._lock:
@@ -586,6 +638,7 @@ class TenantTaskCoordinator(Closeable):
             loop,
             (self._scheduler_loop or loop) if is_async else None,
             None if inline else contextvars.copy_context(),
+            self._retry if execution.retry_policy is None else execution.retry_policy,
         )
         wait = self._wait if execution.wait is None else execution.wait
         lock = self._lock
@@ -601,32 +654,42 @@ class TenantTaskCoordinator(Closeable):
         if state is not RUNNING or not inline:  # not its turn at once (the common case is)
             if state is RUNNING or state is GATED:
                 self._turn(task)
-            if not task.turn and not task.ended:
-                task.future = future = loop.create_future()
-                try:
-                    await future
-                except asyncio.CancelledError:
-                    task.future = None
-                    self._leave(task)
-                    raise
-                task.future = None
-            if not task.turn:
-                # It runs elsewhere, or it ended before its turn (closed): a turn still on its
-                # way to this awaiter is given back when it arrives (_hand).
-                task.gone = True
-                return await task.outcome()
+            if not await self._next_turn(task, loop):
+                return await task.outcome()  # it runs elsewhere, or ended before its turn
         # Its turn: the async job runs inside this task (inlined, not a coroutine of its own:
         # one frame less per job, bench_asyncio's rows).
         current = _current_task(loop)
         assert current is not None
-        await self._run_async(task, None, _NO_TOKEN, current)
-        # Our cancellation (a timeout, close or dispose) was a means, not the awaiter's wish:
-        # take it back, unless the awaiter was cancelled as well, which then wins.
-        if task.ours and current.uncancel():
-            raise asyncio.CancelledError
-        if task.ended:
-            return task.result()
-        return await task.outcome()
+        while True:
+            await self._run_async(task, None, _NO_TOKEN, current)
+            # Our cancellation (a timeout, close or dispose) was a means, not the awaiter's
+            # wish: take it back, unless the awaiter was cancelled as well, which then wins.
+            if task.ours and current.uncancel():
+                raise asyncio.CancelledError
+            if task.state is DONE or task.settled:  # its outcome is here, or on its way
+                return task.result() if task.ended else await task.outcome()
+            # It waits for its next attempt (it keeps its key, holds no slot): its turn again.
+            if not await self._next_turn(task, loop):
+                return await task.outcome()
+
+    async def _next_turn(self, task: Task, loop: asyncio.AbstractEventLoop) -> bool:
+        """Wait until the awaiting task may run its job (True), or its outcome arrived first
+        (False: closed, cancelled while waiting for room, or it runs elsewhere)."""
+        if not task.turn and not task.ended:
+            task.future = future = loop.create_future()
+            try:
+                await future
+            except asyncio.CancelledError:
+                task.future = None
+                self._leave(task)
+                raise
+            task.future = None
+        if task.turn:
+            task.turn = False
+            return True
+        # A turn still on its way to this awaiter is given back when it arrives (_hand).
+        task.gone = True
+        return False
 
     def _leave(self, task: Task) -> None:
         """The awaiting task was cancelled while it waited (on its loop thread).
@@ -776,6 +839,13 @@ class TenantTaskCoordinator(Closeable):
             _discard(awaitable)
             self._end_guarded(task, None, None, token)
             return
+        task.ours = False  # (an earlier attempt's, taken back by its awaiter)
+        if (
+            awaitable is None  # (a sync job that returned an awaitable started already)
+            and task.attempt == 1
+            and (task.retry is not None or self._stall_after is not None)
+        ):
+            self._first_start(task)
         guard = self._guard
         permit = task.permit
         entered: object = None
@@ -837,6 +907,8 @@ class TenantTaskCoordinator(Closeable):
         if task.settled:  # cancelled (or closed) between its hand-off and now
             self._end(task, None, None)
             return
+        if task.attempt == 1 and (task.retry is not None or self._stall_after is not None):
+            self._first_start(task)
         guard = self._guard
         token: Any = _NO_TOKEN
         try:
@@ -940,19 +1012,29 @@ class TenantTaskCoordinator(Closeable):
     # -- end -> deliver --------------------------------------------------------------------------
 
     def _end(self, task: Task, value: Any, error: BaseException | None) -> None:
-        """The task's work ended (or it never ran): free its key and slot, then deliver."""
+        """The task's work ended (or it never ran): retry it, or free its key and slot and
+        deliver its outcome."""
+        expired = task.expired
+        if expired:  # its attempt ran out of time (and was stopped) with a retry in view
+            task.expired = False
+            value, error = None, self._timeout_error(task)
         permit = task.permit
         if permit is not None and error is None:
             try:
                 permit.check()  # lapsed while the job ran: its result must not count
             except Exception as exc:
                 value, error = None, exc
+        if error is not None and task.retry is not None and self._retried(task, error):
+            return  # it waits for its next attempt
         lock = self._lock
         lock.acquire()
         try:
             if task.state is DONE:
                 return
+            # An attempt that ran out of time and may not be retried after all: timed out.
+            timed_out = expired and self._table.settle(task, TIMED_OUT) is not None
             decided, starts = self._table.end(task, error is not None)
+            decided = decided or timed_out
             idle = self._table.wip == 0
         finally:
             lock.release()
@@ -960,6 +1042,12 @@ class TenantTaskCoordinator(Closeable):
         if timer is not None:
             task.timer = None
             timer()
+        stall = task.stall
+        if stall is not None:
+            task.stall = None
+            stall()
+        if decided and error is not None and task.attempt > 1:
+            gave_up(error, task.attempt, f"coordinator {self._name!r}")
         task.job = None  # no references kept by a finished task
         task.inside = None
         # Start this coordinator's next jobs first: they then ask the admission before the
@@ -979,6 +1067,109 @@ class TenantTaskCoordinator(Closeable):
                 task.land(value, error)  # the awaiter's own loop: no hops (bench_asyncio's rows)
             else:
                 self._deliver(task, value, error)
+
+    def _retried(self, task: Task, error: BaseException) -> bool:
+        """Decide another attempt after ``error``: if there is one, the task gives its slot and
+        permit back but keeps its key, and queues again once its wait is over."""
+        policy = task.retry
+        assert policy is not None
+        wait = policy.next_wait(error, task.attempt, self._elapsed(task))
+        if wait is None:
+            return False
+        with self._lock:
+            if task.settled or task.state is not RUNNING:
+                return False  # cancelled, or closed, meanwhile: it ends
+            starts = self._table.suspend(task)
+        timer = task.timer
+        if timer is not None:  # this attempt's timeout
+            task.timer = None
+            timer()
+        task.begun = False
+        task.inside = None
+        task.work = None
+        task.permit = None
+        ticket = task.ticket
+        if ticket is not None:  # no permit is held while it waits
+            task.ticket = None
+            ticket._give_back()
+        self._log.warning(
+            "job of key {!r} on {!r}: attempt {} of {} failed ({!r}), retrying in {:.3f} s",
+            task.key,
+            self._name,
+            task.attempt,
+            policy.attempts,
+            error,
+            wait,
+        )
+        task.attempt += 1
+        cancel = self._after(wait, lambda: self._resume(task))
+        with self._lock:
+            state: int = task.state  # (suspended above; cancelled or closed since, maybe)
+            armed = state is RETRYING and task.timer is None
+            if armed:
+                task.timer = cancel
+        if not armed:
+            cancel()  # cancelled (or closed) meanwhile: no next attempt
+        for started in starts:
+            self._turn(started)
+        return True
+
+    def _resume(self, task: Task) -> None:
+        """A retrying task's wait is over: it queues for a slot again (ahead of its key)."""
+        with self._lock:
+            if task.state is not RETRYING:
+                return  # cancelled or closed while it waited
+            task.timer = None
+            turn = self._table.resume(task)
+        if turn:
+            self._turn(task)
+
+    def _first_start(self, task: Task) -> None:
+        """A job's first attempt starts: the clock of its deadline and its stall watch."""
+        task.first_start = self._now()
+        stall_after = self._stall_after
+        if stall_after is not None:
+            task.stall = self._after(stall_after, lambda: self._stalled(task))
+
+    def _stalled(self, task: Task) -> None:
+        """A job has been in progress for ``stall_after`` seconds (on the timer's thread)."""
+        if task.state is DONE:
+            return
+        elapsed = self._elapsed(task)
+        self._log.warning(
+            "job of key {!r} on {!r} stalled: in progress for {:.3f} s (attempt {})",
+            task.key,
+            self._name,
+            elapsed,
+            task.attempt,
+        )
+        on_stall = self._on_stall
+        if on_stall is not None:
+            hand_off(lambda: on_stall(task.key, elapsed), "on_stall")
+
+    def _elapsed(self, task: Task) -> float:
+        """Seconds since the task's first attempt started (0 if it has not)."""
+        first = task.first_start
+        return 0.0 if first is None else self._now() - first
+
+    def _now(self) -> float:
+        """The coordinator's clock: its virtual scheduler's, else the monotonic clock."""
+        virtual = self._virtual
+        return time.monotonic() if virtual is None else virtual.now.timestamp()
+
+    def _after(self, seconds: float, fn: Callable[[], object]) -> Callable[[], object]:
+        """Call ``fn`` in ``seconds`` (on the timer's thread, or the virtual clock); a cancel."""
+        virtual = self._virtual
+        if virtual is not None:
+
+            def action(_scheduler: abc.SchedulerBase, _state: object) -> None:
+                fn()
+
+            return virtual.schedule_relative(seconds, action).dispose
+        return call_later(seconds, fn).cancel
+
+    def _timeout_error(self, task: Task) -> TimeoutError:
+        return TimeoutError(f"job timed out after {task.timeout} s on coordinator {self._name!r}")
 
     def _deliver(self, task: Task, value: Any, error: BaseException | None) -> None:
         """Send the outcome to the subscriber (or awaiter), on its loop if it has one."""
@@ -1107,29 +1298,36 @@ class TenantTaskCoordinator(Closeable):
     def _arm_timeout(self, task: Task) -> None:
         timeout = task.timeout
         assert timeout is not None
-
-        def expire() -> None:
-            self._time_out(task, timeout)
-
-        if self._virtual is not None:
-            cancel = self._virtual.schedule_relative(timeout, lambda _s, _st: expire()).dispose
-        else:
-            cancel = call_later(timeout, expire).cancel
+        cancel = self._after(timeout, lambda: self._time_out(task))
         with self._lock:
             if task.state is RUNNING and task.timer is None and not task.settled:
                 task.timer = cancel
                 return
         cancel()  # the job finished (or was cancelled) before the timer was armed
 
-    def _time_out(self, task: Task, timeout: float) -> None:
+    def _time_out(self, task: Task) -> None:
+        error = self._timeout_error(task)
+        policy = task.retry
+        retry = policy is not None and (
+            policy.next_wait(error, task.attempt, self._elapsed(task)) is not None
+        )
         with self._lock:
             if task.settled or task.state is not RUNNING:
                 return
             task.timer = None
-            self._table.settle(task, TIMED_OUT)
-        self._log.info("a job on {!r} timed out after {} s", self._name, timeout)
+            if retry:  # stop this attempt; its end retries it (see _end)
+                task.expired = True
+            else:
+                self._table.settle(task, TIMED_OUT)
+        self._log.info(
+            "a job on {!r} timed out after {} s (attempt {})",
+            self._name,
+            task.timeout,
+            task.attempt,
+        )
         self._stop(task)
-        error = TimeoutError(f"job timed out after {timeout} s on coordinator {self._name!r}")
+        if retry:
+            return
         if self._virtual is not None or task.loop is not None:
             self._deliver(task, None, error)  # virtual time, or hopping onto the caller's loop
         else:

@@ -11,6 +11,7 @@ from reactivex import abc
 
 from .._admission import AdmissionTicket, Permit
 from .._core.jobs import JobRun
+from .._core.retry import Retry
 from ._table import Entry
 
 if TYPE_CHECKING:
@@ -31,11 +32,14 @@ class Task(Entry, abc.DisposableBase):
 
     __slots__ = (
         "args",
+        "attempt",
         "begun",
         "context",
         "coordinator",
         "ended",
         "error",
+        "expired",
+        "first_start",
         "future",
         "gone",
         "inside",
@@ -46,6 +50,8 @@ class Task(Entry, abc.DisposableBase):
         "observer",
         "ours",
         "permit",
+        "retry",
+        "stall",
         "ticket",
         "timeout",
         "timer",
@@ -66,6 +72,7 @@ class Task(Entry, abc.DisposableBase):
         loop: asyncio.AbstractEventLoop | None,
         job_loop: asyncio.AbstractEventLoop | None,
         context: contextvars.Context | None,
+        retry: Retry | None,
     ) -> None:
         self.key = key
         self.state = 0  # NEW (Entry.__init__ inlined: one frame less per job)
@@ -85,6 +92,11 @@ class Task(Entry, abc.DisposableBase):
         self.inside: asyncio.Task[Any] | None = None  # the asyncio task the job runs in
         self.ours = False  # the coordinator cancelled ``inside`` (a timeout, close, dispose)
         self.begun = False  # its runner took it (see TenantTaskCoordinator._settled)
+        self.retry = retry  # its retry policy, if it has one
+        self.attempt = 1
+        self.first_start: float | None = None  # its first attempt's start (coordinator's clock)
+        self.expired = False  # its attempt timed out and is being stopped (to be retried)
+        self.stall: Callable[[], object] | None = None  # cancels its stall watch
         self.work: Work | None = None  # what the job returned, run to its end (JobRun)
         # The awaiting task's side:
         self.future: asyncio.Future[None] | None = None  # what it waits on, while it waits

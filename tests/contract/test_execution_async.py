@@ -12,9 +12,9 @@ import threading
 from collections.abc import Awaitable, Callable
 
 import pytest
-from execution_support import ThreadedVirtualScheduler
 from reactivex import operators as ops
 from reactivex.testing import TestScheduler
+from support.execution import ThreadedVirtualScheduler
 
 from rxcoord import CoordinatorClosed, TooManyTasks
 
