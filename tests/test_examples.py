@@ -27,6 +27,14 @@ EXPECTED = {
         "tenants with state left after going idle: 0",
     ],
     "async_jobs": ["download cancelled inside the job"],
+    "retries": [
+        "30 charges in",
+        "6 retries",
+        "alice: charged in order: True",
+        "bob: charged in order: True",
+        "carol: charged in order: True",
+        "mallory: provider refused mallory#1 (rxcoord: gave up after 3 attempts",
+    ],
     "fleet_limits": [
         "store: sqlite, 2 processes, 24 jobs",
         "acme ran at most 2 jobs at once across both processes (limit 2)",

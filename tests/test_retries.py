@@ -442,7 +442,7 @@ def test_max_backoff_defaults_to_30_s_or_the_backoff_if_longer() -> None:
 
 
 def test_a_single_exception_type_is_accepted_for_on() -> None:
-    assert Retry(on=ConnectionError).on == (ConnectionError,)  # type: ignore[arg-type]
+    assert Retry(on=ConnectionError).on == (ConnectionError,)
 
 
 def test_a_retry_that_is_not_a_policy_is_refused_at_the_call() -> None:

@@ -40,7 +40,8 @@ class Retry:
         max_backoff: The most one wait lasts, in seconds (default: 30, or ``backoff`` if that
             is longer).
         jitter: Each wait is randomised by +/- this fraction of itself, in ``[0, 1)``.
-        on: Exception types that are retried; any other fails at once.
+        on: Exception types that are retried (a type or a tuple of them; always a tuple once
+            built); any other fails at once.
             ``asyncio.CancelledError``, ``TooManyTasks`` and ``CoordinatorClosed`` never are.
         deadline: Seconds from the first attempt's start after which no new attempt starts
             (``None``: no limit).
@@ -57,7 +58,7 @@ class Retry:
     multiplier: float = 2.0
     max_backoff: float | None = None
     jitter: float = 0.1
-    on: tuple[type[BaseException], ...] = (Exception,)
+    on: type[BaseException] | tuple[type[BaseException], ...] = (Exception,)
     deadline: float | None = None
     # Where the jitter's randomness comes from (a seeded ``random.Random().random`` in tests).
     random: Callable[[], float] = field(default=random.random, repr=False, compare=False)
