@@ -17,7 +17,8 @@ A sync callable may return an awaitable all the same: ``lambda: handle(message)`
 job in disguise, and it is how most code writes a job with arguments. Its first call runs on a
 worker thread like any sync job, and the awaitable it returns is awaited on the loop. The
 callable's *code object* is then remembered (every lambda of one expression in the source shares
-it), so every later job of that code is called on the loop at once, with no thread hop. The
+it), so every later job of that code is called on the loop at once, with no thread hop; a
+wrapper such as ``lambda: fn(*args)`` is remembered per function it wraps (``_key``). The
 coordinator asks again when a job's turn comes (``remembered``), so jobs submitted before the
 first one returned (a ``gather`` of thousands) take the loop too. Should a remembered code ever
 return something else (a lambda that dispatches to sync and async functions), it is forgotten
@@ -42,7 +43,6 @@ __all__ = [
     "Execution",
     "Owner",
     "check_call",
-    "code_of",
     "execution",
     "forget",
     "remember",
@@ -51,12 +51,12 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-# Code objects whose callables returned an awaitable (see the module docstring), by identity:
-# ``id(code) -> code`` (hashing a code object hashes its bytecode and constants, every time;
-# an id is free, and the entry keeps its code alive so the id cannot be reused meanwhile).
+# The codes whose callables returned an awaitable (see the module docstring), by identity: a
+# key of ids (hashing a code object hashes its bytecode and constants, every time; an id is
+# free) -> the code objects themselves, kept alive so their ids cannot be reused meanwhile.
 # Bounded, so code generated at run time (``exec`` per call) cannot grow it without end: at
 # the bound it starts over, and a forgotten code costs one more thread hop.
-_ASYNC_CODES: dict[int, CodeType] = {}
+_ASYNC_CODES: dict[object, tuple[CodeType, ...]] = {}
 _REMEMBER_AT_MOST: Final = 4096
 
 
@@ -244,7 +244,9 @@ def check_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
             code.co_argcount - len(target.__defaults__ or ()) <= given <= code.co_argcount
             or (given > code.co_argcount and code.co_flags & CO_VARARGS)
         ):
-            return bool(code.co_flags & CO_COROUTINE) or _ASYNC_CODES.get(id(code)) is code
+            return bool(code.co_flags & CO_COROUTINE) or (
+                _key(target, code)[0] in _ASYNC_CODES if _ASYNC_CODES else False
+            )
     elif not callable(fn):
         raise TypeError(f"job must be callable, not {fn!r}")
     try:
@@ -262,35 +264,66 @@ def check_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     return inspect.iscoroutinefunction(fn)
 
 
-def code_of(fn: Callable[..., Any]) -> CodeType | None:
-    """The code object that decides where ``fn`` runs (see the module docstring), if any."""
+def _key(function: FunctionType, code: CodeType) -> tuple[object, tuple[CodeType, ...]]:
+    """The cache key of a function (and the codes it names): its code, and the codes of the
+    functions its closure holds.
+
+    A wrapper such as ``lambda: fn(*args)`` (one code for whatever ``fn`` it wraps) is then
+    remembered per wrapped function: a wrapper that once forwarded to an ``async def`` does not
+    bring a blocking function it forwards to onto the loop. The closure of the README's
+    ``lambda: handle(m)`` holds the message, not a function: its code alone is the key.
+    """
+    closure = function.__closure__
+    if not closure:
+        return id(code), (code,)
+    codes = [code]
+    for cell in closure:
+        try:
+            held: Any = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        while type(held) is functools.partial:
+            held = held.func
+        if type(held) is MethodType:
+            held = held.__func__
+        if type(held) is FunctionType:
+            codes.append(held.__code__)
+    if len(codes) == 1:
+        return id(code), (code,)
+    return tuple(id(c) for c in codes), tuple(codes)
+
+
+def _function(fn: Callable[..., Any]) -> FunctionType | None:
+    """The plain function behind ``fn`` (through partials and bound methods), if any."""
     target: Any = fn
     while type(target) is functools.partial:
         target = target.func
     if type(target) is MethodType:
         target = target.__func__
-    if type(target) is FunctionType:
-        return target.__code__
-    return None
+    return target if type(target) is FunctionType else None
 
 
 def remember(fn: Callable[..., Any]) -> None:
     """``fn`` returned an awaitable: later jobs of its code are called on the loop at once."""
-    code = code_of(fn)
-    if code is not None and _ASYNC_CODES.get(id(code)) is not code:
-        if len(_ASYNC_CODES) >= _REMEMBER_AT_MOST:
-            _ASYNC_CODES.clear()
-        _ASYNC_CODES[id(code)] = code
+    function = _function(fn)
+    if function is not None:
+        key, codes = _key(function, function.__code__)
+        if key not in _ASYNC_CODES:
+            if len(_ASYNC_CODES) >= _REMEMBER_AT_MOST:
+                _ASYNC_CODES.clear()
+            _ASYNC_CODES[key] = codes
 
 
 def remembered(fn: Callable[..., Any]) -> bool:
     """Whether ``fn``'s code has returned an awaitable before (see the module docstring)."""
-    code = code_of(fn)
-    return code is not None and _ASYNC_CODES.get(id(code)) is code
+    if not _ASYNC_CODES:
+        return False
+    function = _function(fn)
+    return function is not None and _key(function, function.__code__)[0] in _ASYNC_CODES
 
 
 def forget(fn: Callable[..., Any]) -> None:
     """``fn``'s code returned something other than an awaitable: worker threads again."""
-    code = code_of(fn)
-    if code is not None and _ASYNC_CODES.get(id(code)) is code:
-        del _ASYNC_CODES[id(code)]
+    function = _function(fn)
+    if function is not None:
+        _ASYNC_CODES.pop(_key(function, function.__code__)[0], None)
