@@ -42,6 +42,7 @@ from ._admission import FairShareGate
 from ._coordinator import CoordinatorStats, Execution, TenantTaskCoordinator
 from ._coordinator._execution import execution
 from ._coordinator._facade import Overflow
+from ._core import telemetry
 from ._core.checks import (
     check_count,
     check_deadline,
@@ -162,6 +163,10 @@ class TenantScheduler(Closeable):
         retry: A :class:`~rxcoord.Retry` policy for every job (``execute(retry=...)``
             overrides it per call), as for ``TenantTaskCoordinator``: between attempts a job
             keeps its key and holds neither its tenant's slot nor a global (or fleet) permit.
+        metrics_tenant: Maps a tenant to a label its jobs' metrics carry as ``rxcoord.tenant``
+            (a tier, a region: a small set; beyond 100 labels per name the rest report as
+            ``"other"``). ``None``: no tenant attribute (tenants are unbounded). Metrics and
+            spans carry the scheduler's ``name`` as ``rxcoord.name``.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -183,6 +188,7 @@ class TenantScheduler(Closeable):
         fleet: LeaseProvider | None = None,
         permit_at_most_for: float = 30.0,
         retry: Retry | None = None,
+        metrics_tenant: Callable[[Any], str] | None = None,
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         tenant_limit = check_count(tenant_max_concurrency, "tenant_max_concurrency", 1)
@@ -198,7 +204,11 @@ class TenantScheduler(Closeable):
         if scheduler is not None and not isinstance(scheduler, abc.SchedulerBase):
             raise TypeError(f"scheduler must be a reactivex scheduler or None, not {scheduler!r}")
         self._weights = weights
+        if metrics_tenant is not None and not callable(metrics_tenant):
+            raise TypeError(f"metrics_tenant must be callable or None, not {metrics_tenant!r}")
+        self._metrics_tenant = metrics_tenant
         self._name = check_name(name)
+        self._tel = telemetry.coordinator(self._name)
         self._log = logger.bind(scheduler=name)
         self._gate = FairShareGate(max_concurrency)
         # fleet=: the store's permit table replaces the in-process gate (it counts this
@@ -470,6 +480,7 @@ class TenantScheduler(Closeable):
             if self._state is not CoordinatorState.OPEN:
                 self._retired["submitted"] += 1
                 self._retired["rejected"] += 1
+                self._tel.rejected("closed")
                 raise CoordinatorClosed(f"tenant scheduler {self._name!r} is closed")
             entry = self._tenants.get(tenant)
             if entry is None:
@@ -535,6 +546,8 @@ class TenantScheduler(Closeable):
             ),
             on_idle=lambda: self._tenant_idle(entry),
             log_context={"tenant": tenant},
+            metrics_name=self._name,
+            metrics_label=None if self._metrics_tenant is None else self._metrics_tenant(tenant),
             **self._tenant_options,
         )
         entry.coordinator = coordinator

@@ -64,6 +64,7 @@ from reactivex.scheduler import VirtualTimeScheduler
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 
 from .._admission import Admission, AdmissionTicket, Permit
+from .._core import telemetry
 from .._core.checks import check_count, check_deadline, check_length, check_name, check_overflow
 from .._core.lifecycle import Closeable, CoordinatorState
 from .._core.retry import Retry, gave_up
@@ -224,6 +225,10 @@ class TenantTaskCoordinator(Closeable):
             ``stats()`` shows it. ``None``: not watched.
         on_stall: Called (on a worker thread) with a stalled job's key (None if unkeyed) and
             the seconds it has been in progress.
+        metrics_name: The ``rxcoord.name`` its OpenTelemetry metrics and spans carry
+            (default: ``name``); a ``TenantScheduler`` gives its tenants its own.
+        metrics_label: An ``rxcoord.tenant`` attribute for them: a label from a small set (a
+            tier, a region), never an unbounded id.
 
     Raises:
         TypeError: an argument has the wrong type (``leases`` not a lease provider, ``name``
@@ -252,6 +257,8 @@ class TenantTaskCoordinator(Closeable):
         retry: Retry | None = None,
         stall_after: float | None = None,
         on_stall: Callable[[Hashable | None, float], object] | None = None,
+        metrics_name: str | None = None,
+        metrics_label: str | None = None,
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         self._max_queue_size = check_count(max_queue_size, "max_queue_size", 0)
@@ -294,6 +301,12 @@ class TenantTaskCoordinator(Closeable):
         if on_stall is not None and self._stall_after is None:
             raise ValueError("on_stall needs stall_after: the seconds after which a job stalls")
         self._on_stall = on_stall
+        # Metrics and spans (a branch per job while nothing listens: rxcoord._core.telemetry).
+        self._tel = telemetry.coordinator(
+            name if metrics_name is None else check_name(metrics_name, "metrics_name"),
+            metrics_label,
+        )
+        self._tel.observe(self, _counts)
 
         self._lock = threading.Lock()
         self._table: TaskTable[Task] = TaskTable(
@@ -586,16 +599,19 @@ class TenantTaskCoordinator(Closeable):
         wait = self._wait if execution.wait is None else execution.wait
         with self._lock:
             state = self._table.accept(task, wait)
-        if state is RUNNING or state is GATED:
-            self._turn(task)
-        elif state < 0:
+        if state < 0:
             observer.on_error(self._refusal(state))
             return Disposable()
+        task.tel = self._tel.accepted()
+        if state is RUNNING or state is GATED:
+            self._turn(task)
         return task
 
     def _refusal(self, state: int) -> Exception:
         if state is CLOSED:
+            self._tel.rejected("closed")
             return CoordinatorClosed(f"coordinator {self._name!r} is closed")
+        self._tel.rejected("too_many_tasks")
         table = self._table
         error = TooManyTasks(
             f"coordinator {self._name!r}: {table.wip} jobs in progress, limit {table.limit} "
@@ -651,6 +667,7 @@ class TenantTaskCoordinator(Closeable):
             entered()
         if state < 0:
             raise self._refusal(state)
+        task.tel = self._tel.accepted()
         if state is not RUNNING or not inline:  # not its turn at once (the common case is)
             if state is RUNNING or state is GATED:
                 self._turn(task)
@@ -866,6 +883,12 @@ class TenantTaskCoordinator(Closeable):
         value: Any = None
         error: BaseException | None = None
         task.inside = current
+        tel = task.tel
+        scope = None
+        if tel is not None:  # its span opens around the job, in this task's context
+            tel.started()
+            scope = tel.scope()
+            scope.__enter__()
         try:
             if token is _NO_TOKEN and guard is not None and task.key is not None:
                 token = await guard.enter_async(task.key)
@@ -906,6 +929,8 @@ class TenantTaskCoordinator(Closeable):
             if entered is not None:
                 assert permit is not None
                 permit.exit(entered)
+            if scope is not None:
+                scope.__exit__(None, None, None)
         if token is not _NO_TOKEN:
             assert guard is not None
             try:
@@ -932,6 +957,8 @@ class TenantTaskCoordinator(Closeable):
                 token = guard.enter(task.key)
             context = task.context
             assert context is not None
+            if task.tel is not None:
+                task.tel.started(context)  # its span opens in the job's context, around it
             result = context.run(self._call, task)
         except BaseException as exc:  # the job's error goes to its subscriber
             self._end_guarded(task, None, exc, token)
@@ -1062,6 +1089,9 @@ class TenantTaskCoordinator(Closeable):
             stall()
         if decided and error is not None and task.attempt > 1:
             gave_up(error, task.attempt, f"coordinator {self._name!r}")
+        if task.tel is not None:
+            task.tel.ended(_OUTCOMES[task.verdict], error)
+            task.tel = None
         task.job = None  # no references kept by a finished task
         task.inside = None
         # Start this coordinator's next jobs first: they then ask the admission before the
@@ -1116,6 +1146,8 @@ class TenantTaskCoordinator(Closeable):
             wait,
         )
         task.attempt += 1
+        if task.tel is not None:
+            task.tel.retrying(error)
         cancel = self._after(wait, lambda: self._resume(task))
         with self._lock:
             state: int = task.state  # (suspended above; cancelled or closed since, maybe)
@@ -1272,6 +1304,9 @@ class TenantTaskCoordinator(Closeable):
             if timer is not None:
                 task.timer = None
                 timer()
+        if task.tel is not None and (state is WAITING or state is QUEUED or state is RETRYING):
+            task.tel.ended(_OUTCOMES[task.verdict])  # it never runs again
+            task.tel = None
         for started in starts:
             self._turn(started)
         if error is not None:
@@ -1394,8 +1429,23 @@ class TenantTaskCoordinator(Closeable):
             self._pool.shutdown(wait=wait)
         if self._fleet is not None and close_fleet:
             self._fleet.close()  # after the jobs: their permits go back first
+        self._tel.forget(self)
         with self._lock:
             self._state = CoordinatorState.CLOSED
+
+
+_OUTCOMES: Final[tuple[telemetry.JobOutcome, ...]] = (
+    "completed",
+    "failed",
+    "cancelled",
+    "timed_out",
+)  # by the table's outcome (COMPLETED, FAILED, CANCELLED, TIMED_OUT)
+
+
+def _counts(coordinator: TenantTaskCoordinator) -> tuple[int, int, int]:
+    """``rxcoord.jobs.active``, ``queued`` and ``waiting``, read at collection."""
+    counts = coordinator._table.counts
+    return counts[RUNNING], counts[QUEUED] + counts[GATED] + counts[RETRYING], counts[WAITING]
 
 
 def _by_state(task: Task) -> int:

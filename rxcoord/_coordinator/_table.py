@@ -86,12 +86,13 @@ class Entry:
     coordinator's lock.
     """
 
-    __slots__ = ("key", "settled", "state")
+    __slots__ = ("key", "settled", "state", "verdict")
 
     def __init__(self, key: Hashable | None) -> None:
         self.key = key  # its ordering key; None: unkeyed (its own lane key)
         self.state = NEW
         self.settled = False  # its outcome is decided
+        self.verdict = COMPLETED  # which outcome, once it is decided
 
 
 _E = TypeVar("_E", bound=Entry)
@@ -171,6 +172,7 @@ class TaskTable(Generic[_E]):
         if task.settled:
             return False
         task.settled = True
+        task.verdict = outcome
         if outcome is COMPLETED:
             self.completed += 1
         elif outcome is FAILED:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from reactivex import abc
 
 from .._admission import AdmissionTicket, Permit
+from .._core import telemetry
 from .._core.jobs import JobRun
 from .._core.retry import Retry
 from ._table import Entry
@@ -52,6 +53,7 @@ class Task(Entry, abc.DisposableBase):
         "permit",
         "retry",
         "stall",
+        "tel",
         "ticket",
         "timeout",
         "timer",
@@ -77,6 +79,7 @@ class Task(Entry, abc.DisposableBase):
         self.key = key
         self.state = 0  # NEW (Entry.__init__ inlined: one frame less per job)
         self.settled = False
+        self.verdict = 0  # COMPLETED, until decided
         self.coordinator = coordinator
         self.job: Callable[..., Any] | None = job
         self.args = args
@@ -97,6 +100,7 @@ class Task(Entry, abc.DisposableBase):
         self.first_start: float | None = None  # its first attempt's start (coordinator's clock)
         self.expired = False  # its attempt timed out and is being stopped (to be retried)
         self.stall: Callable[[], object] | None = None  # cancels its stall watch
+        self.tel: telemetry.Job | None = None  # its metrics and span, while anything listens
         self.work: Work | None = None  # what the job returned, run to its end (JobRun)
         # The awaiting task's side:
         self.future: asyncio.Future[None] | None = None  # what it waits on, while it waits
