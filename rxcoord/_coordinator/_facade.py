@@ -100,7 +100,9 @@ _Ts = TypeVarTuple("_Ts")
 
 Overflow = Literal["reject", "wait"]
 
-_get_running_loop: Final = asyncio._get_running_loop  # no exception when none (every job asks)
+# asyncio's low-level form of get_running_loop: None, not an exception, where no loop runs (a
+# subscriber on a plain thread). Every job asks, several times (bench_asyncio's rows).
+_get_running_loop: Final = asyncio._get_running_loop
 _current_task: Final = asyncio.current_task
 _NO_TOKEN: Final = object()  # a job that entered no key guard
 _NO_LOOP: Final = (

@@ -77,7 +77,7 @@ class Task(Entry, abc.DisposableBase):
         retry: Retry | None,
     ) -> None:
         self.key = key
-        self.state = 0  # NEW (Entry.__init__ inlined: one frame less per job)
+        self.state = 0  # NEW (Entry.__init__ inlined: a frame less per job, bench_asyncio)
         self.settled = False
         self.verdict = 0  # COMPLETED, until decided
         self.coordinator = coordinator
