@@ -50,12 +50,14 @@ from ._core.checks import (
     check_overflow,
     check_weight,
 )
+from ._core.clock import clock_for
 from ._core.lifecycle import Closeable, CoordinatorState
 from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
 from ._errors import CoordinatorClosed
 from ._execution import Execution, execution
 from ._fleet import FleetAdmission, FleetStats
+from ._rate import Rate, TenantRates, check_rate, check_tenant_rates, rate_of
 
 if TYPE_CHECKING:
     from .leases import LeaseProvider
@@ -154,6 +156,12 @@ class TenantScheduler(Closeable):
             (renewed while its job runs): the most a crashed process keeps its slots. A job
             whose permit lapsed (its process was paused past it) fails with ``LeaseLost``;
             :func:`~rxcoord.current_permit` gives a job its permit's fencing token.
+        rate: A :class:`~rxcoord.Rate` on the starts of all tenants together (with ``fleet``,
+            of the whole fleet, on the store's clock). A job over it waits, holding no slot.
+        tenant_rate: Each tenant's rate: one :class:`~rxcoord.Rate` for every tenant, a
+            mapping tenant -> Rate (others have none; checked here), or a callable tenant ->
+            Rate or None (checked on the tenant's first job, which fails if it is bad). A
+            tenant waiting for its own rate never holds back another tenant within its rate.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -174,6 +182,8 @@ class TenantScheduler(Closeable):
         overflow: str = "reject",
         fleet: LeaseProvider | None = None,
         permit_at_most_for: float = 30.0,
+        rate: Rate | None = None,
+        tenant_rate: TenantRates | None = None,
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         tenant_limit = check_count(tenant_max_concurrency, "tenant_max_concurrency", 1)
@@ -191,13 +201,17 @@ class TenantScheduler(Closeable):
         self._weights = weights
         self._name = check_name(name)
         self._log = logger.bind(scheduler=name)
-        self._gate = FairShareGate(max_concurrency)
+        rate = check_rate(rate)
+        self._tenant_rates = check_tenant_rates(tenant_rate)
+        self._gate = FairShareGate(max_concurrency, rate=rate, clock=clock_for(scheduler))
         # fleet=: the store's permit table replaces the in-process gate (it counts this
-        # process's jobs too, and decides fair shares across the fleet).
+        # process's jobs too, and decides fair shares and rates across the fleet).
         self._fleet = (
             None
             if fleet is None
-            else FleetAdmission(fleet, name, max_concurrency, permit_at_most_for=permit_at_most_for)
+            else FleetAdmission(
+                fleet, name, max_concurrency, permit_at_most_for=permit_at_most_for, rate=rate
+            )
         )
         self._tenant_limit = tenant_limit
         self._pool = (
@@ -431,7 +445,7 @@ class TenantScheduler(Closeable):
                 if entry is None:
                     try:
                         entry = self._new_tenant(tenant)
-                    except (TypeError, ValueError) as exc:  # a bad weight for this tenant
+                    except (TypeError, ValueError) as exc:  # a bad weight or rate for it
                         error = exc
                 if entry is not None:
                     entry.pins += 1
@@ -461,13 +475,16 @@ class TenantScheduler(Closeable):
             else:
                 weight = self._weights(tenant)
         weight = check_weight(weight, f"the weight of tenant {tenant!r}")
+        rate = rate_of(self._tenant_rates, tenant)
         entry = _Tenant(tenant)
         coordinator = TenantTaskCoordinator(
             name=str(tenant),
             admission=(
-                self._gate.lane(weight)
+                self._gate.lane(weight, rate=rate, key=tenant)
                 if self._fleet is None
-                else self._fleet.lane(str(tenant), weight=weight, tenant_limit=self._tenant_limit)
+                else self._fleet.lane(
+                    str(tenant), weight=weight, tenant_limit=self._tenant_limit, rate=rate
+                )
             ),
             on_idle=lambda: self._tenant_idle(entry),
             log_context={"tenant": tenant},

@@ -66,9 +66,9 @@ def _stored(client: Any, keys: tuple[str, str, str]) -> dict[str, Any]:
         token, _, tenant = member.decode().partition(":")
         permits[int(token)] = tenant
     state = {field.decode(): value.decode() for field, value in client.hgetall(state_key).items()}
-    kinds: dict[str, dict[str, str]] = {"n": {}, "p": {}, "l": {}}
+    kinds: dict[str, dict[str, str]] = {"n": {}, "p": {}, "l": {}, "q": {}}
     for field, value in state.items():
-        if field not in ("c", "r", "d"):
+        if field not in ("c", "r", "d", "x"):  # x: the keys' expiry (test_permits_expiry.py)
             kinds[field[0]][field[1:]] = value
     if state:  # the counters are the sets' sizes
         assert int(state["r"]) == client.zcard(permits_key)

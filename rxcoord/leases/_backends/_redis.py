@@ -80,7 +80,7 @@ from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
 from .._notify import Listener, WaitHub
-from .._permits import PermitReply, hub_name
+from .._permits import PermitReply, RateArgs, hub_name
 from .._validate import check_duration
 from ._drivers import require, route_driver_logs
 
@@ -226,37 +226,104 @@ end
 local changed = #gone > 0
 """
 
-# KEYS: permits, demand, state, token sequence. ARGV: tenant, want, weight, tenant limit,
-# limit, most ms, demand_for ms, more (0/1), channel. PermitGroup.acquire, step by step.
-# Returns {first token, tokens granted, running, tenant running, wake_in ms or -1}.
+# The group's keys expire once everything in them has: `x` in the state hash is the time (ms)
+# they were given, at least the latest permit's and demand's `until`. When a step writes a later
+# `until` it gives every key of the group twice that horizon (so this costs a few calls once
+# per horizon, not per step); a key a step creates gets the current `x`. A group nobody calls
+# any more (a crashed fleet) then goes by itself. `need`: the latest `until` this step wrote;
+# `madeP`/`madeD`: the step created that key.
+_PERMITS_KEEP: Final = """
+if running > 0 or demand > 0 then  -- else the state hash is gone: the group is idle
+  local x = tonumber(head[XAT])
+  if not x and head[1] then
+    -- A group written before its keys had an expiry: its latest until, read once.
+    for _, k in ipairs({P, D}) do
+      local top = redis.call('ZRANGE', k, -1, -1, 'WITHSCORES')[2]
+      if top and tonumber(top) > need then need = tonumber(top) end
+    end
+    x = 0
+  end
+  if not x or need > x then
+    x = need + math.max(need - now, 1000)
+    redis.call('HSET', T, 'x', x)
+    for _, k in ipairs({P, D, T}) do redis.call('PEXPIREAT', k, x) end
+  else
+    if madeP then redis.call('PEXPIREAT', P, x) end
+    if madeD then redis.call('PEXPIREAT', D, x) end
+  end
+end
+"""
+
+# Rates (GCRA, rxcoord/_core/rate.py) in microseconds of Redis's clock: `avail` starts may pass
+# back to back at `now`, `rwait` until the n-th of them may. EPS: rate.EPSILON in microseconds.
+_RATE_FUNCTIONS: Final = """
+local EPS = 0.001
+local function rwait(tat, now, iv, burst, n)
+  local late = math.max(tat, now) + (n - 1) * iv - (burst - 1) * iv - now
+  if late > EPS then return late end
+  return 0
+end
+local function avail(tat, now, iv, burst)
+  if tat <= now then return burst end
+  local slack = (burst - 1) * iv + EPS - (tat - now)
+  if slack < 0 then return 0 end
+  local n = math.min(burst, math.floor(slack / iv) + 1)
+  while n < burst and rwait(tat, now, iv, burst, n + 1) == 0 do n = n + 1 end
+  while n > 0 and rwait(tat, now, iv, burst, n) > 0 do n = n - 1 end
+  return n
+end
+"""
+
+# KEYS: permits, demand, state, token sequence, rates (ZSET "g" -> the group's tat, "t"..tenant
+# -> the tenant's, in us; the key expires with its latest tat: a full bucket is a fresh one).
+# ARGV: tenant, want, weight, tenant limit, limit, most ms, demand_for ms, more (0/1), channel,
+# group rate interval us (0: none), its burst, tenant rate interval us (0: none), its burst.
+# PermitGroup.acquire, step by step (the state hash also keeps "q"..tenant, the time in us from
+# which a waiting tenant is within its own rate, written with its demand).
+# Returns {first token, tokens granted, running, tenant running, wake_in ms or -1,
+#          rate wait us, group rate wait us, now us}.
 _PERMITS_ACQUIRE: Final = (
-    "local FIELDS = {'n' .. ARGV[1], 'p' .. ARGV[1], 'c'}"
+    "local FIELDS = {'n' .. ARGV[1], 'p' .. ARGV[1], 'c', 'x'}\nlocal XAT = 6"
     + _PERMITS_EXPIRE
+    + _RATE_FUNCTIONS
     + """
 local tenant = ARGV[1]
 local want = tonumber(ARGV[2])
 local limit = tonumber(ARGV[5])
+local gi, gb = tonumber(ARGV[10]), tonumber(ARGV[11])
+local ti, tb = tonumber(ARGV[12]), tonumber(ARGV[13])
+local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local mine = (tonumber(head[3]) or 0) - (lost[tenant] or 0)
 local clock = tonumber(head[5]) or 0
 local pass = clock
 if not forgot[tenant] then pass = tonumber(head[4]) or clock end
 if pass < clock then pass = clock end
-local grant = math.min(want, tonumber(ARGV[4]) - mine, limit - running)
+local running0, demand0 = running, demand
+local free = limit - running
+local gtat, ttat = 0, 0
+if gi > 0 or ti > 0 then
+  local s = redis.call('ZMSCORE', KEYS[5], 'g', 't' .. tenant)
+  gtat, ttat = tonumber(s[1]) or 0, tonumber(s[2]) or 0
+  if gi > 0 then free = math.min(free, avail(gtat, nowus, gi, gb)) end
+end
+local grant = math.min(want, tonumber(ARGV[4]) - mine, free)
+if ti > 0 then grant = math.min(grant, avail(ttat, nowus, ti, tb)) end
+local better = 0
 if grant > 0 and demand > 0 then
-  -- Leave a permit for each other waiting tenant further behind (smaller pass) that is below
-  -- its own tenant limit.
-  local better = 0
+  -- Leave a permit (and a group token) for each other waiting tenant further behind (smaller
+  -- pass) that is below its own tenant limit and within its own rate now.
   for _, other in ipairs(redis.call('ZRANGE', D, 0, -1)) do
     if other ~= tenant then
-      local o = redis.call('HMGET', T, 'p' .. other, 'n' .. other, 'l' .. other)
+      local o = redis.call('HMGET', T, 'p' .. other, 'n' .. other, 'l' .. other, 'q' .. other)
       local theirs = tonumber(o[1]) or clock
       if theirs < clock then theirs = clock end
-      if theirs < pass and (tonumber(o[2]) or 0) < (tonumber(o[3]) or 0) then
+      if theirs < pass and (tonumber(o[2]) or 0) < (tonumber(o[3]) or 0)
+          and (not o[4] or tonumber(o[4]) <= nowus + EPS) then
         better = better + 1
       end
     end
   end
-  grant = math.min(grant, limit - running - better)
+  grant = math.min(grant, free - better)
 end
 local first = 0
 if grant > 0 then
@@ -276,6 +343,22 @@ if grant > 0 then
   end
   running = running + grant
   mine = mine + grant
+  if gi > 0 or ti > 0 then
+    -- The starts the rates count: now, with the permits, in this very step.
+    local z = {}
+    if gi > 0 then
+      gtat = math.max(gtat, nowus) + grant * gi
+      z[#z + 1], z[#z + 2] = string.format('%.17g', gtat), 'g'
+    end
+    if ti > 0 then
+      ttat = math.max(ttat, nowus) + grant * ti
+      z[#z + 1], z[#z + 2] = string.format('%.17g', ttat), 't' .. tenant
+    end
+    redis.call('ZADD', KEYS[5], unpack(z))
+    redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', nowus)  -- others' buckets full again
+    local top = redis.call('ZRANGE', KEYS[5], -1, -1, 'WITHSCORES')[2]
+    redis.call('PEXPIREAT', KEYS[5], math.ceil(tonumber(top) / 1000))
+  end
 else
   grant = 0
 end
@@ -286,11 +369,18 @@ if grant > 0 then
   fields[9], fields[10] = 'c', string.format('%.17g', clock)
 end
 local waits = grant < want or ARGV[8] == '1'
+local need = 0
+if grant > 0 then need = now + tonumber(ARGV[6]) end
 if waits then
   demand = demand + redis.call(
     'ZADD', D, 'GT', string.format('%d', now + tonumber(ARGV[7])), tenant)
+  need = math.max(need, now + tonumber(ARGV[7]))
   fields[#fields + 1] = 'l' .. tenant
   fields[#fields + 1] = ARGV[4]
+  if ti > 0 then
+    fields[#fields + 1] = 'q' .. tenant
+    fields[#fields + 1] = string.format('%.17g', ttat - (tb - 1) * ti)
+  end
 elseif demand > 0 and redis.call('ZREM', D, tenant) == 1 then
   demand = demand - 1
   -- A withdrawal: a waiter may have left this free permit to it.
@@ -300,12 +390,17 @@ fields[4] = demand
 if running == 0 and demand == 0 then
   redis.call('DEL', T)  -- the group is idle: nothing of it stays
 elseif mine == 0 and not waits then
-  redis.call('HDEL', T, 'p' .. tenant, 'l' .. tenant)  -- the tenant is idle
+  redis.call('HDEL', T, 'p' .. tenant, 'l' .. tenant, 'q' .. tenant)  -- the tenant is idle
   redis.call('HSET', T, 'r', running, 'd', demand)
 else
   redis.call('HSET', T, unpack(fields))
 end
+local madeP, madeD = running0 == 0 and running > 0, demand0 == 0 and demand > 0
+"""
+    + _PERMITS_KEEP
+    + """
 local wake = -1
+local rw, gw = 0, 0
 if grant < want then
   local soonest = nil
   if running > 0 then soonest = tonumber(redis.call('ZRANGE', P, 0, 0, 'WITHSCORES')[2]) end
@@ -316,8 +411,16 @@ if grant < want then
     if other and (not soonest or tonumber(other) < soonest) then soonest = tonumber(other) end
   end
   if soonest then wake = math.max(0, soonest - now) end
+  if gi > 0 then
+    gw = rwait(gtat, nowus, gi, gb, 1)
+    -- The next group token nobody further behind has a claim on.
+    local beyond = math.ceil(rwait(gtat, nowus, gi, gb, better + 1) / 1000)
+    if beyond > 0 and (wake < 0 or beyond < wake) then wake = beyond end
+  end
+  rw = gw
+  if ti > 0 then rw = math.max(rw, rwait(ttat, nowus, ti, tb, 1)) end
 end
-return {first, grant, running, mine, wake}
+return {first, grant, running, mine, wake, math.ceil(rw), math.ceil(gw), nowus}
 """
 )
 
@@ -366,7 +469,7 @@ return held
 # KEYS: permits, demand, state. ARGV: most ms, then token, tenant pairs.
 # Returns the tokens of the pairs no longer held.
 _PERMITS_EXTEND: Final = (
-    "local FIELDS = {}"
+    "local FIELDS = {'x'}\nlocal XAT = 3"
     + _PERMITS_EXPIRE
     + """
 local untl = string.format('%d', now + tonumber(ARGV[1]))
@@ -400,6 +503,11 @@ if changed then
     redis.call('HSET', T, 'r', running, 'd', demand)
   end
 end
+local need, madeP, madeD = 0, false, false
+if running > 0 then need = tonumber(untl) end
+"""
+    + _PERMITS_KEEP
+    + """
 return missing
 """
 )
@@ -450,6 +558,13 @@ def _sha(script: str) -> str:
 
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
+
+
+def _rate_argv(rate: RateArgs | None) -> tuple[str, int]:
+    """A rate as two script arguments: its interval in microseconds (exact text) and burst."""
+    if rate is None:
+        return "0", 0
+    return repr(rate[0] * 1e6), rate[1]
 
 
 def _pairs(permits: Sequence[tuple[int, str]]) -> list[object]:
@@ -752,6 +867,10 @@ class RedisLeases(LeaseProvider):
         base = f"{self.prefix}fleet:{{#{group}}}:"
         return base + "p", base + "d", base + "t"
 
+    def _rate_key(self, group: str) -> str:
+        """The group's rate buckets (a sorted set of tats), in the group's hash slot."""
+        return f"{self.prefix}fleet:{{#{group}}}:q"
+
     def _permits_acquire(
         self,
         group: str,
@@ -763,14 +882,18 @@ class RedisLeases(LeaseProvider):
         most: float,
         demand_for: float,
         more: bool,
+        *,
+        rate: RateArgs | None = None,
+        tenant_rate: RateArgs | None = None,
     ) -> PermitReply:
         keys = self._permit_keys(group)
-        first, count, running, mine, wake = self._eval(
+        first, count, running, mine, wake, rate_wait, group_wait, now = self._eval(
             _PERMITS_ACQUIRE,
             _PERMITS_ACQUIRE_SHA,
-            4,
+            5,
             *keys,
             self._sequence_key(keys[0]),
+            self._rate_key(group),
             tenant,
             want,
             repr(float(weight)),  # the shortest text that reads back as the same double
@@ -780,6 +903,8 @@ class RedisLeases(LeaseProvider):
             _ms(demand_for),
             1 if more else 0,
             self._channel(hub_name(group)),
+            *_rate_argv(rate),
+            *_rate_argv(tenant_rate),
             action="acquire fleet permits",
         )
         return PermitReply(
@@ -787,6 +912,9 @@ class RedisLeases(LeaseProvider):
             None if wake < 0 else wake / 1000.0,
             running,
             mine,
+            rate_wait / 1e6,
+            group_wait / 1e6,
+            now / 1e6,
         )
 
     def _permits_release(

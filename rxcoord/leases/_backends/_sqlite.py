@@ -46,7 +46,7 @@ from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
 from .._base import LeaseProvider
 from .._notify import WaitHub
-from .._permits import PermitGroup, PermitReply, hub_name
+from .._permits import PermitGroup, PermitReply, RateArgs, hub_name
 from .._validate import check_duration, check_table
 
 __all__ = ["SqliteLeases"]
@@ -160,10 +160,13 @@ class SqliteLeases(LeaseProvider):
             "ON CONFLICT (name) DO UPDATE SET state = excluded.state"
         )
         self._sql_permits_delete = f"DELETE FROM {permits} WHERE name = ?1"
+        # Groups nobody calls any more (a crashed fleet): everything in them expired.
+        self._sql_permits_sweep = f"DELETE FROM {permits} WHERE json_extract(state, '$.x') <= ?1"
         # Permits take their tokens from the leases' sequence (read once, written back once).
         self._sql_seq_read = f"SELECT token FROM {q} WHERE id = 1"
         self._sql_seq_write = f"UPDATE {q} SET token = ?1 WHERE id = 1 AND token < ?1"
         self._next_sweep = 0.0
+        self._next_permits_sweep = 0.0
         super().__init__(WaitHub(), poll=(first, max(first, cap)))
 
     def _describe(self) -> str:
@@ -338,6 +341,9 @@ class SqliteLeases(LeaseProvider):
                 raise self._fail(exc, action) from exc
             try:
                 now, state = conn.execute(self._sql_permits_read, (group,)).fetchone()
+                if monotonic() >= self._next_permits_sweep:
+                    self._next_permits_sweep = monotonic() + _SWEEP_EVERY
+                    conn.execute(self._sql_permits_sweep, (now,))
                 table = PermitGroup.loads(state)
                 tokens = _Tokens(conn, self._sql_seq_read)
                 result = step(table, float(now), tokens.next)
@@ -367,12 +373,26 @@ class SqliteLeases(LeaseProvider):
         most: float,
         demand_for: float,
         more: bool,
+        *,
+        rate: RateArgs | None = None,
+        tenant_rate: RateArgs | None = None,
     ) -> PermitReply:
         def step(
             table: PermitGroup, now: float, next_token: Callable[[], int]
         ) -> tuple[PermitReply, bool]:
             return table.acquire(
-                now, next_token, tenant, want, weight, tenant_limit, limit, most, demand_for, more
+                now,
+                next_token,
+                tenant,
+                want,
+                weight,
+                tenant_limit,
+                limit,
+                most,
+                demand_for,
+                more,
+                rate,
+                tenant_rate,
             )
 
         reply, notify = self._permits_step(group, None, "acquire fleet permits", step)
