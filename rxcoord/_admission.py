@@ -399,7 +399,9 @@ class GateStats:
         running: Permits out now.
         waiting: Tickets waiting in the gate's lanes.
         rate_waits: Jobs held back by a rate (the gate's or their lane's) before they started.
-        rate_waited: Seconds those jobs spent at the front of their lane from then on, in total.
+        rate_waited: Seconds those jobs spent at the front of their lane, in total.
+        rate_buckets: Lane rates kept by key (tenants that started recently: a bucket is
+            forgotten once full again).
     """
 
     limit: int
@@ -407,6 +409,7 @@ class GateStats:
     waiting: int
     rate_waits: int = 0
     rate_waited: float = 0.0
+    rate_buckets: int = 0
 
 
 class FairShareGate:
@@ -478,7 +481,9 @@ class FairShareGate:
         """A snapshot."""
         with self._lock:
             waiting = sum(len(entry[2].waiting) for entry in (*self._heap, *self._sleepers))
-            return GateStats(self._limit, self._running, waiting, self._waits, self._waited)
+            return GateStats(
+                self._limit, self._running, waiting, self._waits, self._waited, len(self._buckets)
+            )
 
     def close(self) -> None:
         """Grant nothing from now on; waiting tickets stay until they are withdrawn."""

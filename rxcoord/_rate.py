@@ -70,9 +70,13 @@ class RateStats:
     """Waiting for a rate, as seen by one admission (or one tenant of it).
 
     Attributes:
-        waits: Jobs that had to wait for a rate before they could start.
-        waited: Seconds those jobs waited for it, in total (by the admission's clock).
-        waiting: Jobs waiting for a rate now.
+        waits: Jobs a rate held back before they started.
+        waited: Seconds those jobs waited from then until they started, in total, on the
+            admission's clock: a ``RateAdmission`` counts from the request, a fair-share
+            gate's lane from the moment the job reached the front of its lane, a fleet lane
+            from the store's first "not yet".
+        waiting: Jobs waiting now: for the rate (``RateAdmission``, a fleet lane), or at the
+            lane (a fair-share gate's lane, whatever holds them back).
     """
 
     waits: int = 0
