@@ -460,14 +460,12 @@ class FleetAdmission:
                     if not lane.waiting:
                         self._forget(lane)
                     return full
-                if (
-                    want
-                    and lane.registered
-                    and not lane.refresh
-                    and max(lane.ready_at, self._group_ready_at) > monotonic()
-                ):
+                ready_at = max(lane.ready_at, self._group_ready_at)
+                if want and lane.registered and not lane.refresh and ready_at > monotonic():
                     # The store said the rates allow this tenant nothing before then: asking
-                    # earlier could only be refused (the wake-up for then is armed).
+                    # earlier could only be refused. (The one wake-up timer may be set for
+                    # another lane's earlier time: make sure it comes back for this one.)
+                    self._arm_wake(None, ready_at)
                     lane.busy = False
                     return full
                 lane.refresh = False
