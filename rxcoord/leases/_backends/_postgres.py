@@ -1557,15 +1557,6 @@ class _PgListener(Listener):
         self._channels: dict[str, str] = {}  # channel -> name
         self._conn: DeadlineConnection | None = None
 
-    def watching(self, name: str) -> bool:
-        """True while a waiter of this provider wants ``name``'s notifications (any thread).
-
-        Set before the subscription is sent and kept until the last waiter of the name leaves,
-        so every attempt a waiter makes after its subscription is confirmed sees True.
-        """
-        sub = self._subs.get(name)  # one dict read: atomic, no lock needed
-        return sub is not None and sub.wanted
-
     def _connect(self) -> None:
         from ._pg_deadline import DeadlineConnection
 

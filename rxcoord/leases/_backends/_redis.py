@@ -4,9 +4,10 @@ Keys:
 
 * ``<prefix>{name}`` - the lease (on a cluster, ``<prefix>}{#name}`` for a name that starts
   with ``}``, which would leave ``{name}`` an empty hash tag): value ``token`` (or
-  ``token:least_until_ms`` when ``at_least_for`` > 0), expiring after ``at_most_for``
-  (``PX``): Redis's clock decides expiry, and an expired or released lease leaves no key
-  behind. Released inside ``at_least_for``, it becomes ``r:token`` until then.
+  ``token:least_until_ms`` when ``at_least_for`` > 0), followed by ``!`` once a waiter marked
+  it (see "Notifications" below), expiring after ``at_most_for`` (``PX``): Redis's clock
+  decides expiry, and an expired or released lease leaves no key behind. Released inside
+  ``at_least_for``, it becomes ``r:token`` until then.
 * the token sequence, store-wide rather than per name, so that no key of a name outlives its
   lease and tokens still increase per name: ``<prefix>seq`` on a server; on a cluster, where
   one script may only touch keys of one hash slot, one ``<prefix>seq:{tag}`` per slot in use
@@ -29,26 +30,52 @@ Keys:
   - ``<prefix>fleet:{#group}:d``: the demand, a sorted set of tenants scored by ``until``;
   - ``<prefix>fleet:{#group}:t``: a hash of per-tenant state, ``n<tenant>`` (permits held),
     ``p<tenant>`` (the stride pass, a double written with 17 digits), ``l<tenant>`` (the
-    tenant limit recorded with its demand), and of the group's: ``c`` (the clock, the latest
-    grant's pass), ``r`` and ``d`` (the two sets' sizes: one ``HMGET`` reads them with the
-    caller's state, and an idle group needs no expiry scan).
+    tenant limit recorded with its demand), ``q<tenant>`` (with its demand, when it has a
+    rate: from when, in us, it is within that rate), and of the group's: ``c`` (the clock, the
+    latest grant's pass), ``r`` and ``d`` (the two sets' sizes: one ``HMGET`` reads them with
+    the caller's state, and an idle group needs no expiry scan), ``x`` (the expiry given to
+    the group's keys, ms);
+  - ``<prefix>fleet:{#group}:q``: the rate buckets (GCRA, ``rxcoord/_core/rate.py``), a sorted
+    set of ``g`` (the group's) and ``t<tenant>`` scored by their theoretical arrival time in
+    us of Redis's clock; a bucket whose time has passed is full, i.e. the same as none, so
+    the steps drop those and the key expires at its latest score.
 
-  Nothing has a TTL: expiry is by score, and every step first drops what expired by the
-  server's clock (so a crashed waiter's demand stops counting when it lapses). A tenant with
-  neither permits nor demand loses its fields, and a group with neither loses all three keys
-  (the sorted sets vanish when emptied, the hash is deleted), so an idle group leaves only the
-  sequence. The steps publish on the channel of the group's wait hub
+  Expiry is by score: every step first drops what expired by the server's clock (so a crashed
+  waiter's demand stops counting when it lapses). A tenant with neither permits nor demand
+  loses its fields, and a group with neither loses the first three keys (the sorted sets
+  vanish when emptied, the hash is deleted), so an idle group leaves only the sequence (and
+  its rate buckets until full). Keys also carry a TTL no earlier than everything in them
+  expires (``x``, set once per horizon, not per step), so a group nobody calls any more (a
+  crashed fleet) goes by itself. The steps publish on the channel of the group's wait hub
   (``_channel(hub_name(group))``).
 
 Each operation is one ``EVALSHA`` (falling back to ``EVAL`` once after a script-cache flush),
 so the check, the grant and ``INCR`` of the token are one atomic step:
 
-* grant: ``PTTL`` the lease; if it exists return its remaining time; else ``INCR`` the sequence
-  and ``SET ... PX``;
+* grant: ``PTTL`` the lease; if it exists return its remaining time (a waiter's attempt marks
+  it); else ``INCR`` the sequence and ``SET ... PX``;
 * extend / release: compare the stored token; release ``DEL``s the key (or, inside
-  ``at_least_for``, replaces it with a ``released`` marker expiring then) and ``PUBLISH``es on
-  the name's channel, which wakes waiters in every process;
-* fleet permits: acquire, release and extend are ``PermitGroup``'s steps, each one script.
+  ``at_least_for``, replaces it with a ``released`` marker expiring then) and, if a waiter
+  marked the lease, ``PUBLISH``es on the name's channel, which wakes waiters in every process;
+* fleet permits: acquire, release and extend are ``PermitGroup``'s steps, each one script,
+  rates included (one round trip admits a job under its permit and its rates).
+
+Notifications only when someone waits (as PostgreSQL's releases since the leases work): a
+``PUBLISH`` costs the server a channel lookup and a fan-out on every release, and nobody listens
+to most of them. A release publishes only if its lease's value ends with ``!``, the mark a
+waiter leaves. A waiter's attempt (one for a name this provider's listener is subscribed to,
+``Listener.watching``) marks: a grant it wins is written marked (the rest of its queue sleeps
+until that lease is released), and if it gets nothing it marks the lease it found, in the same
+script. Any other grant writes an unmarked value. Why no wake-up is lost: a waiter's attempts
+after its subscription is confirmed (the waiting machinery always makes one) are all marking
+ones, so a waiter sleeps only after a marking attempt, after its ``SUBSCRIBE`` took effect, and
+until the remaining time that attempt read. Scripts run one at a time, so the lease that attempt
+found (or its queue's head won) carries the mark from then on, and its release, a later script,
+sees it and publishes after the subscription: the waiter hears it. Between the attempt and that
+release no script can take the mark away but a new grant of the name, which needs the marked
+lease gone first: released (published) or expired (the waiter's timer is due then, and its
+next attempt marks whatever grant it finds). A lease released inside ``at_least_for`` becomes
+``r:token`` and is never marked: its end is an expiry, which the waiter's timer covers.
 
 Connections: redis-py's ``Connection`` objects, in a pool of this module's own (a deque of idle
 connections). redis-py's client and pool wrap every command in machinery a lease does not need
@@ -90,11 +117,20 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisLeases"]
 
-# KEYS: lease, sequence, legacy per-name counter. ARGV: at_most_for ms, at_least_for ms.
+# KEYS: lease, sequence, legacy per-name counter. ARGV: at_most_for ms, at_least_for ms, a
+# waiter's attempt (1/0: mark the grant it wins or finds, see "Notifications" above).
 # Returns the new token (> 0), or -1 - remaining_ms when the name is taken.
 _GRANT: Final = """
 local ttl = redis.call('PTTL', KEYS[1])
-if ttl >= 0 then return -1 - ttl end
+if ttl >= 0 then
+  if ARGV[3] == '1' then
+    local v = redis.call('GET', KEYS[1])
+    if string.sub(v, -1) ~= '!' and string.sub(v, 1, 2) ~= 'r:' then
+      redis.call('SET', KEYS[1], v .. '!', 'KEEPTTL')
+    end
+  end
+  return -1 - ttl
+end
 if ttl == -1 then return -1001 end
 local legacy = redis.call('GET', KEYS[3])
 if legacy then
@@ -110,6 +146,7 @@ if ARGV[2] ~= '0' then
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   value = token .. ':' .. string.format('%d', now + tonumber(ARGV[2]))
 end
+if ARGV[3] == '1' then value = value .. '!' end
 redis.call('SET', KEYS[1], value, 'PX', ARGV[1])
 return token
 """
@@ -120,7 +157,7 @@ local v = redis.call('GET', KEYS[1])
 if not v then return nil end
 local ttl = redis.call('PTTL', KEYS[1])
 local released = 0
-local token = string.match(v, '^(%d+)$') or string.match(v, '^(%d+):%d+$')
+local token = string.match(v, '^(%d+)!?$') or string.match(v, '^(%d+):%d+!?$')
 if not token then
   released = 1
   token = string.match(v, '^r:(%d+)$') or '0'
@@ -131,12 +168,12 @@ return {tonumber(token), ttl, released}
 # KEYS: lease. ARGV: token, at_most_for ms. Returns 1 if extended, 0 if not ours.
 _EXTEND: Final = """
 local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
+if v == ARGV[1] or v == ARGV[1] .. '!' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
 if not v then return 0 end
-local token, least = string.match(v, '^(%d+):(%d+)$')
+local token, least = string.match(v, '^(%d+):(%d+)!?$')
 if token ~= ARGV[1] then return 0 end
 local t = redis.call('TIME')
 local left = tonumber(least) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
@@ -146,15 +183,21 @@ redis.call('PEXPIRE', KEYS[1], ms)
 return 1
 """
 
-# KEYS: lease. ARGV: token, channel. Returns 1 if released, 0 if not ours.
+# KEYS: lease. ARGV: token, channel. Returns 1 if released, 0 if not ours. Publishes only if a
+# waiter marked the lease ('!' at the end of its value).
 _RELEASE: Final = """
 local v = redis.call('GET', KEYS[1])
+local marked = false
 if v == ARGV[1] then
   redis.call('DEL', KEYS[1])
+elseif v == ARGV[1] .. '!' then
+  redis.call('DEL', KEYS[1])
+  marked = true
 else
   if not v then return 0 end
-  local token, least = string.match(v, '^(%d+):(%d+)$')
+  local token, least, mark = string.match(v, '^(%d+):(%d+)(!?)$')
   if token ~= ARGV[1] then return 0 end
+  marked = mark == '!'
   local t = redis.call('TIME')
   local left = tonumber(least) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
   if left > 0 then
@@ -163,7 +206,7 @@ else
     redis.call('DEL', KEYS[1])
   end
 end
-redis.call('PUBLISH', ARGV[2], '')
+if marked then redis.call('PUBLISH', ARGV[2], '') end
 return 1
 """
 
@@ -785,6 +828,8 @@ class RedisLeases(LeaseProvider):
                 key + ":token",
                 _ms(at_most_for),
                 least,
+                # A name this provider's waiters wait for: mark the grant (see "Notifications").
+                1 if self._listener.watching(name) else 0,
                 action="grant a lease",
             )
         )
