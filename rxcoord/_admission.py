@@ -215,6 +215,24 @@ class RateAdmission:
         if out:
             self._hand_out(out)
 
+    def try_pass(self) -> bool:
+        """Take a token now if nobody waits and the rate has one: True means the caller may
+        start its job at once, without a ticket (a coordinator's fast path).
+
+        False (somebody waits, the rate has no token, there is an admission behind, or it is
+        closed): go through :meth:`request`, which keeps FIFO order.
+        """
+        if self._then is not None:
+            return False
+        with self._lock:
+            if self._queue or self._closed:
+                return False
+            now = self._clock.now()
+            if self._bucket.wait(now) > 0.0:
+                return False
+            self._bucket.take(now)
+            return True
+
     def withdraw(self, ticket: AdmissionTicket) -> bool:
         """Forget ``ticket`` if it has not been granted (here or by ``then``)."""
         with self._lock:

@@ -405,3 +405,29 @@ def test_closed_it_passes_nothing() -> None:
     assert b not in grants.at
     assert admission.withdraw(b)
     assert admission.stats() == RateStats(waits=0, waited=0.0, waiting=0)
+
+
+def test_try_pass_takes_a_token_inline_only_when_nobody_waits() -> None:
+    """The fast path a coordinator may take (no ticket when the rate has a token and nobody
+    waits) keeps the bound and the FIFO order of the waiters."""
+    clock = ManualClock()
+    rate = Rate(2, per=1.0, burst=2)
+    admission = RateAdmission(rate, clock=clock)
+    grants = Grants(clock)
+    passed: list[float] = []
+    assert admission.try_pass()
+    passed.append(clock.now())
+    waiter = grants.ticket()
+    admission.request(waiter)  # takes the burst's second token at once
+    assert grants.at[waiter] == 1000.0
+    assert not admission.try_pass(), "no token left"
+    queued = grants.ticket()
+    admission.request(queued)
+    clock.advance(0.6)  # a token came back, but a ticket waits: it gets it, not try_pass
+    assert queued in grants.at
+    assert not admission.try_pass()
+    clock.advance(0.5)
+    assert admission.try_pass()
+    passed.append(clock.now())
+    assert_within_rate([*passed, *grants.times()], rate)
+    assert not RateAdmission(rate, clock=clock, then=ManualAdmission()).try_pass()

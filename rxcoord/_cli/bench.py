@@ -36,6 +36,7 @@ BENCHMARKS = (
     "bench_locks",
     "bench_leases",
     "bench_fleet",
+    "bench_rates",
 )
 
 Verdict = Literal["met", "not met", "too small to judge", "no goal", "unreadable goal"]
