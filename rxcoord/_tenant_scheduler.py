@@ -11,6 +11,11 @@ are built with three seams, all public or plainly internal:
 * ``scheduler=`` the scheduler's worker pool, shared by all tenants;
 * ``on_idle=`` the scheduler's eviction check.
 
+Rates (``rate=`` for all tenants, ``tenant_rate=`` per tenant) are inside the same gate (or,
+with ``fleet=``, the same store step): a job over a rate waits as a ticket, holding no global
+slot, and a tenant waiting for its own rate sleeps outside the fair-share heap, so it never
+holds back a tenant within its rate.
+
 Fairness is the gate's stride scheduling over job starts (see ``FairShareGate``): a tenant
 that becomes runnable again starts from the current virtual time, so being idle earns no credit
 and a returning tenant cannot monopolise the slots. A flooding tenant therefore delays another

@@ -9,7 +9,8 @@ Nothing is left behind: a record exists only while its name is taken. A release 
 since the last sweep, or by the first grant a second after the last one (amortized O(1) per
 grant). Tokens come from one store-wide counter, so
 they keep increasing per name however often its record is deleted; they live as long as the
-store object.
+store object. Fleet groups whose permits, demand and rate buckets have all expired (nobody called
+them since) are dropped by the next permit step at most once a second.
 """
 
 from __future__ import annotations

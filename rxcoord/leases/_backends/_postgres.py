@@ -63,8 +63,13 @@ longer than their lease has left.
 Fleet permits (``_permits.py``) live beside the lease table, in its schema and persistence: a
 table ``<table>_permits`` with one row per busy group holding its ``PermitGroup`` in typed
 columns (``clock``; the permits as parallel arrays ``tokens``, ``holders``, ``untils``; the
-tenants holding or wanting permits as ``tenants``, ``passes``, ``limits``, ``demand``, a
-NULL limit or demand meaning none), deleted once the group holds neither permits nor demand.
+tenants holding or wanting permits as ``tenants``, ``passes``, ``limits``, ``demand``,
+``readies`` (from when a waiting tenant is within its own rate), a NULL limit, demand or
+readiness meaning none; the rate buckets as ``rtenants``, ``rtats`` and ``gtat``, kept until
+full again), deleted once the group holds neither permits, demand nor a bucket still filling.
+Its ``expires`` column says when everything in the row will have expired, and the background
+sweep (after grants and permit steps, at most every ``sweep_every``) deletes rows past it:
+groups a crashed fleet left behind.
 Each step is one PL/pgSQL function, ``<table>_permits_acquire``/``_release``/``_extend``
 (created with the schema, under the same advisory lock, and replaced only when their source
 differs), so each is one statement and one round trip; times are ``clock_timestamp()`` in

@@ -27,7 +27,12 @@ IMMEDIATE`` transaction: read the row and the clock, run the reference ``PermitG
 method, write the row back; the write lock serializes it with every other writer of the
 file, lease grants included, so its tokens come straight from ``<table>_seq`` (read once,
 written back once) and interleave with the leases' in one increasing sequence. Releases and
-withdrawals wake this provider's waiters directly; other processes' waiters poll.
+withdrawals wake this provider's waiters directly; other processes' waiters poll. Fleet rates
+(``_permits.py``) are part of the same JSON and the same transaction, on the clock SQLite reads
+(``julianday('now')``, milliseconds): each process's reading of the machine's clock, which is
+the limit here (processes of one machine share it; a step of the clock shifts every bucket). A
+group's JSON also records when everything in it expires (``x``), and a step deletes the rows of
+groups whose time has passed, at most once a second (groups a crashed fleet left behind).
 """
 
 from __future__ import annotations
