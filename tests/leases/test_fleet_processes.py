@@ -104,10 +104,9 @@ class Fleet:
         self.name = f"fleet-{random.getrandbits(32):08x}"
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(
-        self, jobs: list[tuple[str, float]], *, ready: bool = True, **spec: Any
-    ) -> subprocess.Popen[str]:
-        """Start a member; with ``ready``, wait until it has submitted its jobs."""
+    def start(self, jobs: list[tuple[str, float]], **spec: Any) -> subprocess.Popen[str]:
+        """Start a member; unless ``ready=False``, wait until it has submitted its jobs."""
+        ready = bool(spec.pop("ready", True))
         payload = {
             "url": self.backend.url,
             "options": self.backend.options,

@@ -74,7 +74,7 @@ class Channel:
 
         assert backend.url is not None
         self.client = redis.Redis.from_url(backend.url)
-        self.pubsub = self.client.pubsub()
+        self.pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
         self.pubsub.subscribe(provider._channel(name))
         assert self.pubsub.get_message(timeout=5.0) is not None  # the subscribe confirmation
 
