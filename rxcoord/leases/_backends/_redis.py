@@ -284,13 +284,12 @@ if running > 0 or demand > 0 then  -- else the state hash is gone: the group is 
       local top = redis.call('ZRANGE', k, -1, -1, 'WITHSCORES')[2]
       if top and tonumber(top) > need then need = tonumber(top) end
     end
-    x = 0
   end
-  if not x or need > x then
+  if need > now and (not x or need > x) then
     x = need + math.max(need - now, 1000)
     redis.call('HSET', T, 'x', x)
     for _, k in ipairs({P, D, T}) do redis.call('PEXPIREAT', k, x) end
-  else
+  elseif x then
     if madeP then redis.call('PEXPIREAT', P, x) end
     if madeD then redis.call('PEXPIREAT', D, x) end
   end
