@@ -8,7 +8,8 @@ Layers, each built on the ones before it:
    :class:`Admission` asked before each job runs, a :class:`KeyGuard` for keyed jobs. Its
    meaning is :class:`ReactorCoordinator`, the Reactor composition in plain Rx operators.
 3. :class:`TenantScheduler` - many tenants, one global limit, fair shares, idle tenants evicted;
-   with ``fleet=provider`` the limits and shares hold across processes (:class:`FleetAdmission`).
+   with ``fleet=provider`` the limits and shares hold across processes (:class:`FleetAdmission`);
+   :class:`Rate` bounds how often jobs start (all tenants, each tenant, the whole fleet).
 4. :class:`KeyedLocks` - ownerless per-entity leases, bulk and global, FIFO, no polling, no leaks.
 5. :mod:`rxcoord.leases` - distributed leases on SQLite, PostgreSQL and Redis, fencing tokens.
 
@@ -39,6 +40,7 @@ from ._errors import (
 from ._fleet import FleetAdmission, FleetPermit, FleetStats, current_permit
 from ._key_guard import KeyGuard, LeaseKeyGuard
 from ._locks import KeyedLocks, KeyedLocksStats, Lease
+from ._rate import Rate, RateStats
 from ._tenant_scheduler import SchedulerStats, TenantScheduler
 from .operators import serialize_by_key
 
@@ -68,6 +70,8 @@ __all__ = [
     "LeaseStoreUnavailable",
     "LockTimeout",
     "Permit",
+    "Rate",
+    "RateStats",
     "ReactorCoordinator",
     "Retry",
     "RxcoordError",

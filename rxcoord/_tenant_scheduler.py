@@ -11,6 +11,11 @@ are built with three seams, all public or plainly internal:
 * ``scheduler=`` the scheduler's worker pool, shared by all tenants;
 * ``on_idle=`` the scheduler's eviction check.
 
+Rates (``rate=`` for all tenants, ``tenant_rate=`` per tenant) are inside the same gate (or,
+with ``fleet=``, the same store step): a job over a rate waits as a ticket, holding no global
+slot, and a tenant waiting for its own rate sleeps outside the fair-share heap, so it never
+holds back a tenant within its rate.
+
 Fairness is the gate's stride scheduling over job starts (see ``FairShareGate``): a tenant
 that becomes runnable again starts from the current virtual time, so being idle earns no credit
 and a returning tenant cannot monopolise the slots. A flooding tenant therefore delays another
@@ -52,12 +57,14 @@ from ._core.checks import (
     check_overflow,
     check_weight,
 )
+from ._core.clock import clock_for
 from ._core.lifecycle import Closeable, CoordinatorState
 from ._core.retry import Retry
 from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
 from ._errors import CoordinatorClosed
 from ._fleet import FleetAdmission, FleetStats
+from ._rate import Rate, TenantRates, check_rate, check_tenant_rates, rate_of
 
 if TYPE_CHECKING:
     from .leases import LeaseProvider
@@ -167,6 +174,12 @@ class TenantScheduler(Closeable):
             (a tier, a region: a small set; beyond 100 labels per name the rest report as
             ``"other"``). ``None``: no tenant attribute (tenants are unbounded). Metrics and
             spans carry the scheduler's ``name`` as ``rxcoord.name``.
+        rate: A :class:`~rxcoord.Rate` on the starts of all tenants together (with ``fleet``,
+            of the whole fleet, on the store's clock). A job over it waits, holding no slot.
+        tenant_rate: Each tenant's rate: one :class:`~rxcoord.Rate` for every tenant, a
+            mapping tenant -> Rate (others have none; checked here), or a callable tenant ->
+            Rate or None (checked on the tenant's first job, which fails if it is bad). A
+            tenant waiting for its own rate never holds back another tenant within its rate.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -189,6 +202,8 @@ class TenantScheduler(Closeable):
         permit_at_most_for: float = 30.0,
         retry: Retry | None = None,
         metrics_tenant: Callable[[Any], str] | None = None,
+        rate: Rate | None = None,
+        tenant_rate: TenantRates | None = None,
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         tenant_limit = check_count(tenant_max_concurrency, "tenant_max_concurrency", 1)
@@ -210,13 +225,17 @@ class TenantScheduler(Closeable):
         self._name = check_name(name)
         self._tel = telemetry.coordinator(self._name)
         self._log = logger.bind(scheduler=name)
-        self._gate = FairShareGate(max_concurrency)
+        rate = check_rate(rate)
+        self._tenant_rates = check_tenant_rates(tenant_rate)
+        self._gate = FairShareGate(max_concurrency, rate=rate, clock=clock_for(scheduler))
         # fleet=: the store's permit table replaces the in-process gate (it counts this
-        # process's jobs too, and decides fair shares across the fleet).
+        # process's jobs too, and decides fair shares and rates across the fleet).
         self._fleet = (
             None
             if fleet is None
-            else FleetAdmission(fleet, name, max_concurrency, permit_at_most_for=permit_at_most_for)
+            else FleetAdmission(
+                fleet, name, max_concurrency, permit_at_most_for=permit_at_most_for, rate=rate
+            )
         )
         self._tenant_limit = tenant_limit
         self._pool = (
@@ -536,13 +555,16 @@ class TenantScheduler(Closeable):
             else:
                 weight = self._weights(tenant)
         weight = check_weight(weight, f"the weight of tenant {tenant!r}")
+        rate = rate_of(self._tenant_rates, tenant)
         entry = _Tenant(tenant)
         coordinator = TenantTaskCoordinator(
             name=str(tenant),
             admission=(
-                self._gate.lane(weight)
+                self._gate.lane(weight, rate=rate, key=tenant)
                 if self._fleet is None
-                else self._fleet.lane(str(tenant), weight=weight, tenant_limit=self._tenant_limit)
+                else self._fleet.lane(
+                    str(tenant), weight=weight, tenant_limit=self._tenant_limit, rate=rate
+                )
             ),
             on_idle=lambda: self._tenant_idle(entry),
             log_context={"tenant": tenant},

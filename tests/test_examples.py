@@ -41,6 +41,11 @@ EXPECTED = {
         "all tenants together at most 3 (limit 3)",
         "fencing tokens distinct: True",
     ],
+    "rate_limits": [
+        "store: sqlite, 3 processes, 60 API calls",
+        "refused by the API: 0\n",
+        "without fleet= (each process its own rates)",
+    ],
     "failures": [
         "38 of 40 came out; 2 failures vanished",
         "40 of 40 came out, 2 of them Failed: customer-1#3, customer-2#3",

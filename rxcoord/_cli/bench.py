@@ -49,6 +49,7 @@ BENCHMARKS = (
     "bench_leases",
     "bench_fleet",
     "bench_otel",
+    "bench_rates",
 )
 
 Verdict = Literal["met", "not met", "too small to judge", "no goal", "unreadable goal"]

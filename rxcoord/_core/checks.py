@@ -44,6 +44,8 @@ __all__ = [
     "check_length",
     "check_name",
     "check_overflow",
+    "check_rate_count",
+    "check_rate_per",
     "check_wait",
     "check_weight",
 ]
@@ -178,6 +180,53 @@ def check_weight(value: object, what: str) -> float:
             + ("; an infinite weight would starve every other tenant" if weight > 0 else "")
         )
     return weight
+
+
+def check_rate_count(value: object, what: str = "count") -> float:
+    """How many starts a rate allows per period: a finite number > 0 (fractions allowed).
+
+    Raises:
+        TypeError: Not a number (strings and bools included).
+        ValueError: 0, negative, NaN or infinite.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{what} must be a number of starts per period, e.g. Rate(100, per=1.0), not {value!r}"
+        )
+    count = float(value)
+    if math.isnan(count) or count <= 0:
+        raise ValueError(
+            f"{what} must be a finite number > 0 of starts per period, got {value!r} (to run "
+            "nothing, do not submit; for no rate limit, pass rate=None)"
+        )
+    if math.isinf(count):
+        raise ValueError(
+            f"{what} must be finite, got {value!r}: for no rate limit pass rate=None instead"
+        )
+    return count
+
+
+def check_rate_per(value: object, what: str = "per") -> float:
+    """The period of a rate: finite seconds > 0.
+
+    Raises:
+        TypeError: Not a number (None, strings and bools included).
+        ValueError: 0, negative, NaN or infinite.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, e.g. per=1.0, not {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(
+            f"{what} must be a finite number of seconds > 0, got {value!r} (Rate(10, per=60.0) "
+            "is 10 starts a minute)"
+        )
+    if math.isinf(seconds):
+        raise ValueError(
+            f"{what} must be finite, got {value!r}: an infinite period allows nothing; for no "
+            "rate limit pass rate=None instead"
+        )
+    return seconds
 
 
 def check_overflow(value: object, what: str = "overflow") -> bool:

@@ -56,7 +56,7 @@ from ._background import Background
 from ._lease import DistributedLease, LeaseHolder
 from ._listing import StoreListing
 from ._notify import WaitHub
-from ._permits import PermitReply
+from ._permits import PermitReply, RateArgs
 from ._validate import MAX_DURATION, MAX_NAME_BYTES, check_lease_args, check_timeout
 from ._waiting import Failure, LeaseWait, Outcome, Waits
 
@@ -246,6 +246,9 @@ class LeaseProvider(Closeable):
         most: float,
         demand_for: float,
         more: bool,
+        *,
+        rate: RateArgs | None = None,
+        tenant_rate: RateArgs | None = None,
     ) -> PermitReply:
         """The permit table's ``acquire`` step (``_permits.py``), one round trip.
 

@@ -27,7 +27,12 @@ IMMEDIATE`` transaction: read the row and the clock, run the reference ``PermitG
 method, write the row back; the write lock serializes it with every other writer of the
 file, lease grants included, so its tokens come straight from ``<table>_seq`` (read once,
 written back once) and interleave with the leases' in one increasing sequence. Releases and
-withdrawals wake this provider's waiters directly; other processes' waiters poll.
+withdrawals wake this provider's waiters directly; other processes' waiters poll. Fleet rates
+(``_permits.py``) are part of the same JSON and the same transaction, on the clock SQLite reads
+(``julianday('now')``, milliseconds): each process's reading of the machine's clock, which is
+the limit here (processes of one machine share it; a step of the clock shifts every bucket). A
+group's JSON also records when everything in it expires (``x``), and a step deletes the rows of
+groups whose time has passed, at most once a second (groups a crashed fleet left behind).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 from .._base import LeaseProvider
 from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import WaitHub
-from .._permits import PermitGroup, PermitReply, hub_name
+from .._permits import PermitGroup, PermitReply, RateArgs, hub_name
 from .._validate import check_duration, check_table
 
 __all__ = ["SqliteLeases"]
@@ -204,6 +209,8 @@ class SqliteLeases(LeaseProvider):
             "ON CONFLICT (name) DO UPDATE SET state = excluded.state"
         )
         self._sql_permits_delete = f"DELETE FROM {permits} WHERE name = ?1"
+        # Groups nobody calls any more (a crashed fleet): everything in them expired.
+        self._sql_permits_sweep = f"DELETE FROM {permits} WHERE json_extract(state, '$.x') <= ?1"
         # Permits take their tokens from the leases' sequence (read once, written back once).
         self._sql_seq_read = f"SELECT token FROM {q} WHERE id = 1"
         self._sql_seq_write = f"UPDATE {q} SET token = ?1 WHERE id = 1 AND token < ?1"
@@ -214,6 +221,7 @@ class SqliteLeases(LeaseProvider):
         )
         self._sql_list_groups = f"SELECT name, state, {_NOW} FROM {permits} ORDER BY name"
         self._next_sweep = 0.0
+        self._next_permits_sweep = 0.0
         super().__init__(WaitHub(), poll=(first, max(first, cap)))
 
     def _describe(self) -> str:
@@ -388,6 +396,9 @@ class SqliteLeases(LeaseProvider):
                 raise self._fail(exc, action) from exc
             try:
                 now, state = conn.execute(self._sql_permits_read, (group,)).fetchone()
+                if monotonic() >= self._next_permits_sweep:
+                    self._next_permits_sweep = monotonic() + _SWEEP_EVERY
+                    conn.execute(self._sql_permits_sweep, (now,))
                 table = PermitGroup.loads(state)
                 tokens = _Tokens(conn, self._sql_seq_read)
                 result = step(table, float(now), tokens.next)
@@ -417,12 +428,26 @@ class SqliteLeases(LeaseProvider):
         most: float,
         demand_for: float,
         more: bool,
+        *,
+        rate: RateArgs | None = None,
+        tenant_rate: RateArgs | None = None,
     ) -> PermitReply:
         def step(
             table: PermitGroup, now: float, next_token: Callable[[], int]
         ) -> tuple[PermitReply, bool]:
             return table.acquire(
-                now, next_token, tenant, want, weight, tenant_limit, limit, most, demand_for, more
+                now,
+                next_token,
+                tenant,
+                want,
+                weight,
+                tenant_limit,
+                limit,
+                most,
+                demand_for,
+                more,
+                rate,
+                tenant_rate,
             )
 
         reply, notify = self._permits_step(group, None, "acquire fleet permits", step)
