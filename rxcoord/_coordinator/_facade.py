@@ -51,7 +51,6 @@ import contextlib
 import contextvars
 import inspect
 import threading
-import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from types import CoroutineType
@@ -63,17 +62,18 @@ from reactivex.disposable import Disposable
 from reactivex.scheduler import VirtualTimeScheduler
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 
-from .._admission import Admission, AdmissionTicket, Permit
+from .._admission import Admission, AdmissionTicket, Permit, RateAdmission
 from .._core import telemetry
 from .._core.checks import check_count, check_deadline, check_length, check_name, check_overflow
+from .._core.clock import clock_for
 from .._core.lifecycle import Closeable, CoordinatorState
 from .._core.retry import Retry, gave_up
-from .._core.timer import call_later
 from .._core.waiter import GRANTED, PENDING
 from .._core.workers import WorkerPool, hand_off
 from .._errors import CoordinatorClosed, TooManyTasks
 from .._fleet import FleetAdmission, FleetStats
 from .._key_guard import KeyGuard, LeaseKeyGuard
+from .._rate import Rate, RateStats, check_rate
 from ._execution import Execution, execution, forget, remember, remembered
 from ._runners import LoopRunner, Runner, SchedulerRunner, WorkerRunner, spawn
 from ._table import (
@@ -130,7 +130,8 @@ class CoordinatorStats:
     yet. With ``stall_after``, ``stalled`` counts jobs in progress (attempts and waits
     together) for longer than that, and ``oldest`` is the longest any job in progress has been
     at it, in seconds. ``fleet`` is the fleet admission's snapshot (fleet-wide running counts
-    as last seen from the store) with ``fleet=``.
+    as last seen from the store, and its rate waits) with ``fleet=``; ``rate`` the waits for a
+    rate (``rate=``, or a tenant's rates in a ``TenantScheduler``).
     """
 
     name: str
@@ -150,6 +151,7 @@ class CoordinatorStats:
     retrying: int = 0
     stalled: int = 0
     oldest: float = 0.0
+    rate: RateStats | None = None
 
     @property
     def work_in_progress(self) -> int:
@@ -231,6 +233,10 @@ class TenantTaskCoordinator(Closeable):
             (default: ``name``); a ``TenantScheduler`` gives its tenants its own.
         metrics_label: An ``rxcoord.tenant`` attribute for them: a label from a small set (a
             tier, a region), never an unbounded id.
+        rate: A :class:`~rxcoord.Rate` on this coordinator's job starts (with ``fleet``, on
+            the whole fleet's, on the store's clock). A job over it waits for its time holding
+            no slot and no thread, in order (per-key order kept); ``TooManyTasks`` and
+            ``overflow`` still bound the queue. In virtual time with a virtual ``scheduler``.
 
     Raises:
         TypeError: an argument has the wrong type (``leases`` not a lease provider, ``name``
@@ -261,6 +267,7 @@ class TenantTaskCoordinator(Closeable):
         on_stall: Callable[[Hashable | None, float], object] | None = None,
         metrics_name: str | None = None,
         metrics_label: str | None = None,
+        rate: Rate | None = None,
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         self._max_queue_size = check_count(max_queue_size, "max_queue_size", 0)
@@ -280,16 +287,26 @@ class TenantTaskCoordinator(Closeable):
                 f"not {admission!r}"
             )
         permit_for = check_length(permit_at_most_for, "permit_at_most_for")
+        rate = check_rate(rate)
         self._fleet: FleetAdmission | None = None
+        # A rate alone: most jobs pass it without a ticket (``_turn``'s fast path).
+        self._rate: RateAdmission | None = None
         if fleet is not None:
             if admission is not None:
                 raise ValueError("pass fleet= or admission=, not both")
-            # Every coordinator named like this one on the same store shares max_concurrency.
+            # Every coordinator named like this one on the same store shares max_concurrency
+            # (and the rate: taken in the same store step as the permit).
             self._fleet = FleetAdmission(
-                fleet, name, max_concurrency, permit_at_most_for=permit_for
+                fleet, name, max_concurrency, permit_at_most_for=permit_for, rate=rate
             )
             admission = self._fleet.lane(name)
+        elif rate is not None:
+            admission = RateAdmission(rate, clock=clock_for(scheduler), then=admission)
+            if admission.then is None:
+                self._rate = admission
         self._admission = admission
+        # What the admission says of its rate waits, if it keeps any (a rate, a tenant's lane).
+        self._rate_stats = getattr(admission, "stats", None) if self._fleet is None else None
         if on_idle is not None and not callable(on_idle):
             raise TypeError(f"on_idle must be callable or None, not {on_idle!r}")
         self._on_idle = on_idle
@@ -336,6 +353,9 @@ class TenantTaskCoordinator(Closeable):
             self._runner = SchedulerRunner(scheduler)
         else:
             raise TypeError(f"scheduler must be a reactivex scheduler or None, not {scheduler!r}")
+        # Time for timeouts, retry waits, stall watches and rates: virtual with a virtual
+        # scheduler (exact, no sleeping), else the monotonic clock and the one timer thread.
+        self._clock = clock_for(scheduler)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -383,7 +403,7 @@ class TenantTaskCoordinator(Closeable):
             table = self._table
             counts = table.counts
             if self._stall_after is not None:
-                now = self._now()
+                now = self._clock.now()
                 ages = [
                     now - t.first_start for t in table.lanes.items() if t.first_start is not None
                 ]
@@ -407,7 +427,15 @@ class TenantTaskCoordinator(Closeable):
                 retrying=counts[RETRYING],
                 stalled=stalled,
                 oldest=oldest,
+                rate=self._rate_snapshot(),
             )
+
+    def _rate_snapshot(self) -> RateStats | None:
+        reader = self._rate_stats
+        if reader is None:
+            return None
+        snapshot = reader()
+        return snapshot if isinstance(snapshot, RateStats) else None
 
     @overload
     def execute(
@@ -670,6 +698,16 @@ class TenantTaskCoordinator(Closeable):
         if state < 0:
             raise self._refusal(state)
         task.tel = self._tel.accepted()
+        if state is GATED and inline and self._rate is not None and self._rate.try_pass():
+            # A rate alone, and its token is there: the job starts now, inline, no ticket
+            # (what _turn's fast path does, without the hand-over; bench_rates' overhead row).
+            lock.acquire()
+            try:
+                if not task.settled:
+                    self._table.admitted(task)
+                    state = RUNNING
+            finally:
+                lock.release()
         if state is not RUNNING or not inline:  # not its turn at once (the common case is)
             if state is RUNNING or state is GATED:
                 self._turn(task)
@@ -745,6 +783,17 @@ class TenantTaskCoordinator(Closeable):
     def _turn(self, task: Task) -> None:
         """``task``'s turn came (it holds its key and a slot): admit it, then run it."""
         if task.state is GATED:
+            rate = self._rate
+            if rate is not None and rate.try_pass():  # its token is there: no ticket needed
+                with self._lock:
+                    passed = not task.settled
+                    if passed:
+                        self._table.admitted(task)
+                if not passed:  # cancelled meanwhile: it leaves (its token is spent)
+                    self._end(task, None, None)
+                    return
+                self._go(task)
+                return
             self._ask(task)
         else:
             self._go(task)
@@ -1150,7 +1199,7 @@ class TenantTaskCoordinator(Closeable):
         task.attempt += 1
         if task.tel is not None:
             task.tel.retrying(error)
-        cancel = self._after(wait, lambda: self._resume(task))
+        cancel = self._clock.call_later(wait, lambda: self._resume(task))
         with self._lock:
             state: int = task.state  # (suspended above; cancelled or closed since, maybe)
             armed = state is RETRYING and task.timer is None
@@ -1174,10 +1223,10 @@ class TenantTaskCoordinator(Closeable):
 
     def _first_start(self, task: Task) -> None:
         """A job's first attempt starts: the clock of its deadline and its stall watch."""
-        task.first_start = self._now()
+        task.first_start = self._clock.now()
         stall_after = self._stall_after
         if stall_after is not None:
-            task.stall = self._after(stall_after, lambda: self._stalled(task))
+            task.stall = self._clock.call_later(stall_after, lambda: self._stalled(task))
 
     def _stalled(self, task: Task) -> None:
         """A job has been in progress for ``stall_after`` seconds (on the timer's thread)."""
@@ -1198,23 +1247,7 @@ class TenantTaskCoordinator(Closeable):
     def _elapsed(self, task: Task) -> float:
         """Seconds since the task's first attempt started (0 if it has not)."""
         first = task.first_start
-        return 0.0 if first is None else self._now() - first
-
-    def _now(self) -> float:
-        """The coordinator's clock: its virtual scheduler's, else the monotonic clock."""
-        virtual = self._virtual
-        return time.monotonic() if virtual is None else virtual.now.timestamp()
-
-    def _after(self, seconds: float, fn: Callable[[], object]) -> Callable[[], object]:
-        """Call ``fn`` in ``seconds`` (on the timer's thread, or the virtual clock); a cancel."""
-        virtual = self._virtual
-        if virtual is not None:
-
-            def action(_scheduler: abc.SchedulerBase, _state: object) -> None:
-                fn()
-
-            return virtual.schedule_relative(seconds, action).dispose
-        return call_later(seconds, fn).cancel
+        return 0.0 if first is None else self._clock.now() - first
 
     def _timeout_error(self, task: Task) -> TimeoutError:
         return TimeoutError(f"job timed out after {task.timeout} s on coordinator {self._name!r}")
@@ -1349,7 +1382,7 @@ class TenantTaskCoordinator(Closeable):
     def _arm_timeout(self, task: Task) -> None:
         timeout = task.timeout
         assert timeout is not None
-        cancel = self._after(timeout, lambda: self._time_out(task))
+        cancel = self._clock.call_later(timeout, lambda: self._time_out(task))
         with self._lock:
             if task.state is RUNNING and task.timer is None and not task.settled:
                 task.timer = cancel
@@ -1431,6 +1464,8 @@ class TenantTaskCoordinator(Closeable):
             self._pool.shutdown(wait=wait)
         if self._fleet is not None and close_fleet:
             self._fleet.close()  # after the jobs: their permits go back first
+        if isinstance(self._admission, RateAdmission):
+            self._admission.close()  # its timer
         self._tel.forget(self)
         with self._lock:
             self._state = CoordinatorState.CLOSED

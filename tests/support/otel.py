@@ -54,7 +54,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-__all__ = ["Metrics", "Point", "Telemetry", "install", "otel"]
+__all__ = ["Metrics", "Point", "Telemetry", "drop_recorded", "install", "otel"]
 
 _AttrKey = tuple[tuple[str, Any], ...]
 
@@ -215,6 +215,18 @@ def install() -> Telemetry:
             raise RuntimeError("another TracerProvider was set in this process before the tests'")
         _installed = Telemetry(reader, exporter)
         return _installed
+
+
+def drop_recorded() -> None:
+    """Drop what the SDK holds, if a test of this process installed it (else nothing).
+
+    A memory test must not count the finished spans the in-memory exporter keeps: once the SDK
+    is installed (by any earlier test in the process), every job records one.
+    """
+    with _install_lock:
+        installed = _installed
+    if installed is not None:
+        installed.reset()
 
 
 @pytest.fixture
