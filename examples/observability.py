@@ -10,7 +10,7 @@ workload:
   its holder let it expire (``rxcoord.lease.wait``, ``rxcoord.leases.held``,
   ``rxcoord.leases.lost``);
 * jobs through a ``TenantTaskCoordinator`` named ``orders`` (``rxcoord.job.*`` and
-  ``rxcoord.jobs.*`` once the coordinator reports them);
+  ``rxcoord.jobs.*``);
 * a trace: the workload runs under a span, and ``LeaseProvider.run`` jobs see it as their
   current span (the caller's context travels with every job).
 

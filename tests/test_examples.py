@@ -101,6 +101,18 @@ OBSERVABILITY_METRICS: list[tuple[str, dict[str, str], Callable[[float], bool]]]
     ("rxcoord_lease_wait_seconds_sum", {"rxcoord_outcome": "timed_out"}, lambda v: 0.15 < v < 5),
     ("rxcoord_leases_lost_total", {"rxcoord_backend": "sqlite"}, lambda v: v == 1),
     ("rxcoord_leases_held", {"rxcoord_backend": "sqlite"}, lambda v: v == 1),
+    # the coordinator named orders: 10 jobs, 3 of them failing
+    ("rxcoord_job_wait_seconds_count", {"rxcoord_name": "orders"}, lambda v: v == 10),
+    (
+        "rxcoord_job_duration_seconds_count",
+        {"rxcoord_name": "orders", "rxcoord_outcome": "failed"},
+        lambda v: v == 3,
+    ),
+    (
+        "rxcoord_job_duration_seconds_count",
+        {"rxcoord_name": "orders", "rxcoord_outcome": "completed"},
+        lambda v: v == 7,
+    ),
 ]
 
 
