@@ -4,11 +4,12 @@ Its meaning is the Reactor composition the project started from, kept as a publi
 ``_reference.py`` (:class:`~rxcoord.ReactorCoordinator`): a Subject as the task sink ->
 ``serialize_by_key(key, run, max_concurrent)`` -> each job under its timeout -> the WIP counter
 with ``TooManyTasks``. A differential test in virtual time proves this class equivalent to it.
-This class is the same thing without an Observable per job. The path of a job, in this file's
-order::
+This class is the same thing without an Observable per job. The path of a job, one module of
+this package a step::
 
     execute ──► count ──► order ──► admit ──► guard ──► run ──► end ──► deliver
-    (_execution) (the task table: WIP, lanes) (Admission) (KeyGuard) (runner) (table) (observer)
+    _execution  _table (WIP, lanes)  _admit   _run (key guard, runners)  _facade (_end, _deliver)
+                                   the awaited path: _awaited; timeouts, retries: _attempts
 
 * **count and order** - :class:`~._table.TaskTable`, pure state behind the coordinator's one
   lock: the work-in-progress limit (``TooManyTasks``, or ``overflow="wait"``), per-key lanes
@@ -49,11 +50,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import inspect
 import threading
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
-from types import CoroutineType
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, TypeVarTuple, cast, overload
 
 from loguru import logger
@@ -62,20 +61,21 @@ from reactivex.disposable import Disposable
 from reactivex.scheduler import VirtualTimeScheduler
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 
-from .._admission import Admission, AdmissionTicket, Permit, RateAdmission
+from .._admission import Admission, RateAdmission
 from .._core import telemetry
 from .._core.checks import check_count, check_deadline, check_length, check_name, check_overflow
 from .._core.clock import clock_for
 from .._core.lifecycle import Closeable, CoordinatorState
 from .._core.retry import Retry, gave_up
-from .._core.waiter import GRANTED, PENDING
-from .._core.workers import WorkerPool, hand_off
+from .._core.workers import WorkerPool
 from .._errors import CoordinatorClosed, TooManyTasks
 from .._fleet import FleetAdmission, FleetStats
 from .._key_guard import KeyGuard, LeaseKeyGuard
 from .._rate import Rate, RateStats, check_rate
-from ._execution import Execution, execution, forget, remember, remembered
-from ._runners import LoopRunner, Runner, SchedulerRunner, WorkerRunner, spawn
+from . import _admit, _attempts, _awaited, _run
+from ._execution import Execution, execution
+from ._run import NO_LOOP
+from ._runners import LoopRunner, Runner, SchedulerRunner, WorkerRunner, running_loop
 from ._table import (
     CANCELLED,
     CLOSED,
@@ -88,7 +88,7 @@ from ._table import (
     WAITING,
     TaskTable,
 )
-from ._task import STREAMED, Task, Work
+from ._task import STREAMED, Task
 
 if TYPE_CHECKING:
     from ..leases import LeaseProvider
@@ -99,19 +99,6 @@ _T = TypeVar("_T")
 _Ts = TypeVarTuple("_Ts")
 
 Overflow = Literal["reject", "wait"]
-
-# asyncio's low-level form of get_running_loop: None, not an exception, where no loop runs (a
-# subscriber on a plain thread). Every job asks, several times (bench_asyncio's rows).
-_get_running_loop: Final = asyncio._get_running_loop
-_current_task: Final = asyncio.current_task
-_NO_TOKEN: Final = object()  # a job that entered no key guard
-_NO_LOOP: Final = (
-    "an async job (or a job that returns an awaitable) needs a running asyncio loop: "
-    "subscribe from asyncio code (e.g. `await coordinator.execute(job)`) or pass "
-    "scheduler=AsyncIOScheduler(loop)"
-)
-# Exact types of values that are a job's result as they are (not work to run to its end).
-_PLAIN: Final = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +231,22 @@ class TenantTaskCoordinator(Closeable):
         ValueError: a limit or a duration is out of range, both ``leases`` and ``key_guard``
             (or ``fleet`` and ``admission``) are given, or ``leases``/``fleet`` without a name.
     """
+
+    # The steps of a job's path, one module each, each function taking the coordinator first:
+    # admit (_admit), guard and run (_run), the awaited path (_awaited), an attempt's time -
+    # timeouts, retries, stalls - (_attempts). What one step asks of another is bound here.
+    _await = _awaited.await_job
+    _turn = _admit.turn
+    _withdraw = _admit.withdraw
+    _go = _run.go
+    _run_async = _run.run_async
+    _run_sync = _run.run_sync
+    _work_ended = _run.work_ended
+    _stop = _run.stop
+    _retried = _attempts.retried
+    _first_start = _attempts.first_start
+    _timeout_error = _attempts.timeout_error
+    _arm_timeout = _attempts.arm_timeout
 
     def __init__(
         self,
@@ -544,7 +547,7 @@ class TenantTaskCoordinator(Closeable):
                 jobs while any is live (they could never finish): use ``await aclose(drain=True)``.
         """
         if drain:
-            loop = _get_running_loop()
+            loop = running_loop()
             with self._lock:
                 blocked = loop is not None and any(
                     t.job_loop is loop for t in self._table.lanes.items()
@@ -602,7 +605,7 @@ class TenantTaskCoordinator(Closeable):
         observer: abc.ObserverBase[Any],
         scheduler: abc.SchedulerBase | None,
     ) -> abc.DisposableBase:
-        loop = _get_running_loop()
+        loop = running_loop()
         if loop is None and isinstance(scheduler, AsyncIOScheduler):
             loop = scheduler._loop
         is_async = execution.is_async
@@ -624,7 +627,7 @@ class TenantTaskCoordinator(Closeable):
             with self._lock:
                 self._table.submitted += 1
                 self._table.failed += 1
-            observer.on_error(RuntimeError(_NO_LOOP))
+            observer.on_error(RuntimeError(NO_LOOP))
             return Disposable()
         wait = self._wait if execution.wait is None else execution.wait
         with self._lock:
@@ -652,456 +655,6 @@ class TenantTaskCoordinator(Closeable):
         return error
 
     # -- the awaited path ----------------------------------------------------------------------
-
-    async def _await(
-        self, execution: Execution[Any], entered: Callable[[], object] | None = None
-    ) -> Any:
-        """``await execute(...)``: the whole submission, done by the awaiting task itself.
-
-        Same contract as a subscription (counting, ``TooManyTasks`` or waiting for room,
-        per-key order, the cap, admission, timeouts from the start, close), without an
-        Observable or a task per job: the awaiting task submits, waits for its turn on one
-        future (none if its turn comes at once), runs an async job inline and takes the
-        outcome from its task object. A timeout, a close or a dispose cancels the awaiting task
-        while the job runs inside it (the awaiter then gets ``TimeoutError`` /
-        ``CoordinatorClosed``); cancelling the awaiting task cancels the job, or withdraws it
-        if it has not started (a turn that comes meanwhile is given back, never lost).
-        ``entered`` is called once the submission is counted (a scheduler unpins its tenant).
-        """
-        loop = _get_running_loop()
-        assert loop is not None  # a coroutine runs on a loop
-        is_async = execution.is_async or remembered(execution.job)
-        # Inline in this task: an async job whose loop is this one (not a scheduler's other).
-        inline = is_async and self._scheduler_loop in (None, loop)
-        task = Task(
-            self,
-            execution.job,
-            execution.args,
-            execution.key,
-            execution.deadline,
-            is_async,
-            None,
-            loop,
-            (self._scheduler_loop or loop) if is_async else None,
-            None if inline else contextvars.copy_context(),
-            self._retry if execution.retry_policy is None else execution.retry_policy,
-        )
-        wait = self._wait if execution.wait is None else execution.wait
-        lock = self._lock
-        lock.acquire()  # explicit acquire/release: half a ``with`` block (bench_asyncio's rows)
-        try:
-            state = self._table.accept(task, wait)
-        finally:
-            lock.release()
-        if entered is not None:
-            entered()
-        if state < 0:
-            raise self._refusal(state)
-        task.tel = self._tel.accepted()
-        if state is GATED and inline and self._rate is not None and self._rate.try_pass():
-            # A rate alone, and its token is there: the job starts now, inline, no ticket
-            # (what _turn's fast path does, without the hand-over; bench_rates' overhead row).
-            lock.acquire()
-            try:
-                if not task.settled:
-                    self._table.admitted(task)
-                    state = RUNNING
-            finally:
-                lock.release()
-        if state is not RUNNING or not inline:  # not its turn at once (the common case is)
-            if state is RUNNING or state is GATED:
-                self._turn(task)
-            # (_next_turn inlined for the first wait: a coroutine less per queued job,
-            # bench_asyncio's rows)
-            if not task.turn and not task.ended:
-                task.future = future = loop.create_future()
-                try:
-                    await future
-                except asyncio.CancelledError:
-                    task.future = None
-                    self._leave(task)
-                    raise
-                task.future = None
-            if task.turn:
-                task.turn = False
-            else:  # it runs elsewhere, or it ended before its turn (closed): a turn still on
-                task.gone = True  # its way to this awaiter is given back when it arrives
-                return await task.outcome()
-        # Its turn: the async job runs inside this task (inlined, not a coroutine of its own:
-        # one frame less per job, bench_asyncio's rows).
-        current = _current_task(loop)
-        assert current is not None
-        while True:
-            await self._run_async(task, None, _NO_TOKEN, current)
-            # Our cancellation (a timeout, close or dispose) was a means, not the awaiter's
-            # wish: take it back, unless the awaiter was cancelled as well, which then wins.
-            if task.ours and current.uncancel():
-                raise asyncio.CancelledError
-            if task.state is DONE or task.settled:  # its outcome is here, or on its way
-                return task.result() if task.ended else await task.outcome()
-            # It waits for its next attempt (it keeps its key, holds no slot): its turn again.
-            if not await self._next_turn(task, loop):
-                return await task.outcome()
-
-    async def _next_turn(self, task: Task, loop: asyncio.AbstractEventLoop) -> bool:
-        """Wait until the awaiting task may run its job (True), or its outcome arrived first
-        (False: closed, cancelled while waiting for room, or it runs elsewhere)."""
-        if not task.turn and not task.ended:
-            task.future = future = loop.create_future()
-            try:
-                await future
-            except asyncio.CancelledError:
-                task.future = None
-                self._leave(task)
-                raise
-            task.future = None
-        if task.turn:
-            task.turn = False
-            return True
-        # A turn still on its way to this awaiter is given back when it arrives (_hand).
-        task.gone = True
-        return False
-
-    def _leave(self, task: Task) -> None:
-        """The awaiting task was cancelled while it waited (on its loop thread).
-
-        The outcome is decided as cancelled; what the task holds goes back: a queued task is
-        withdrawn, a permit request too, a turn handed to it (or on its way) is given back.
-        """
-        task.gone = True
-        with self._lock:
-            state = task.state
-            starts = self._table.settle(task, CANCELLED)
-        if starts is not None:
-            self._settled(task, state, starts, None)
-        if task.turn:  # handed over, never used: give it back
-            task.turn = False
-            self._end(task, None, None)
-
-    # -- order -> admit ------------------------------------------------------------------------
-
-    def _turn(self, task: Task) -> None:
-        """``task``'s turn came (it holds its key and a slot): admit it, then run it."""
-        if task.state is GATED:
-            rate = self._rate
-            if rate is not None and rate.try_pass():  # its token is there: no ticket needed
-                with self._lock:
-                    passed = not task.settled
-                    if passed:
-                        self._table.admitted(task)
-                if not passed:  # cancelled meanwhile: it leaves (its token is spent)
-                    self._end(task, None, None)
-                    return
-                self._go(task)
-                return
-            self._ask(task)
-        else:
-            self._go(task)
-
-    def _ask(self, task: Task) -> None:
-        """Ask the admission for a permit; the task runs once granted (``_admitted``)."""
-        admission = self._admission
-        assert admission is not None
-        ticket = AdmissionTicket(admission.release, task.key)
-        task.ticket = ticket
-        ticket._waiter.bind(lambda: self._admitted(task))
-        admission.request(ticket)  # counted as queued until the permit comes
-        # A cancel before the ticket existed could not withdraw it: take it back now, or it
-        # would wait for a permit nobody wants.
-        with self._lock:
-            stranded = task.settled and task.state is GATED
-        if stranded:
-            self._withdraw(task)
-
-    def _admitted(self, task: Task) -> None:
-        """The admission granted (or refused) the ticket, on the granting thread."""
-        ticket = task.ticket
-        assert ticket is not None
-        if ticket._waiter.take() is None:
-            return  # the task left first: the ticket gave the permit back, _withdraw ended it
-        with self._lock:
-            left = task.settled  # settled after the take: _withdraw found it taken
-            if not left:
-                self._table.admitted(task)
-        if left:
-            self._end(task, None, None)
-            return
-        if ticket.error is not None:  # refused (its store is down): the job fails unrun
-            task.ticket = None
-            self._end(task, None, ticket.error)
-            return
-        permit = ticket.permit
-        if isinstance(permit, Permit):
-            task.permit = permit
-        self._go(task)
-
-    def _withdraw(self, task: Task) -> None:
-        """Take a settled ``GATED`` task back from the admission, if it holds no permit yet.
-
-        The ticket decides: exactly one of this and ``_admitted`` ends the task, and a permit
-        granted to it meanwhile goes back to the admission.
-        """
-        ticket = task.ticket
-        if ticket is None:
-            return  # not at the admission yet: _ask's stranded check comes after
-        state = ticket._waiter.cancel()
-        if state is PENDING:
-            assert self._admission is not None
-            self._admission.withdraw(ticket)  # False: a grant is in flight, it will go back
-        elif state is not GRANTED:
-            return  # taken (_admitted ends it) or withdrawn before
-        task.ticket = None
-        self._end(task, None, None)
-
-    # -- guard -> run --------------------------------------------------------------------------
-
-    def _go(self, task: Task) -> None:
-        """``task`` may run now: in its awaiting task, on its loop, or on the runner."""
-        job = task.job
-        if not task.is_async and job is not None and remembered(job):
-            # Its code returned an awaitable since it was submitted: the loop, no thread hop.
-            loop = self._scheduler_loop or task.loop
-            if loop is not None:
-                task.is_async = True
-                task.job_loop = loop
-        if task.observer is None and task.is_async and task.job_loop is task.loop:
-            loop = task.loop
-            assert loop is not None
-            if _get_running_loop() is loop:
-                self._hand(task)
-            else:
-                try:
-                    loop.call_soon_threadsafe(self._hand, task)
-                except RuntimeError:  # the awaiter's loop is closed: nobody will take the turn
-                    self._cancel(task)
-                    self._end(task, None, None)
-            return
-        try:
-            if task.is_async:
-                self._spawn(task, None, _NO_TOKEN)
-            else:
-                if task.timeout is not None:
-                    self._arm_timeout(task)
-                self._runner.run(task.run_sync)
-        except Exception as exc:  # the scheduler or the loop itself failed: tell the caller
-            self._log.opt(exception=True).error("could not start a job on {!r}", self._name)
-            self._end(task, None, exc)
-
-    def _hand(self, task: Task) -> None:
-        """On the awaiter's loop: its turn (or one it left behind, given back)."""
-        if task.gone:
-            self._end(task, None, None)
-            return
-        task.turn = True
-        task.wake()
-
-    def _spawn(self, task: Task, awaitable: Any, token: Any) -> None:
-        """Run async work in a task of its own on the job's loop."""
-        loop = task.job_loop
-        assert loop is not None
-        spawn(loop, lambda: self._run_async(task, awaitable, token, None), task.context)
-
-    async def _run_async(
-        self, task: Task, awaitable: Any, token: Any, current: asyncio.Task[Any] | None
-    ) -> None:
-        """Run an async job (or ``awaitable``, which a sync job returned) to its end, in the
-        current asyncio task; then end the task.
-
-        ``current`` is the awaiting task when the job runs inline, None in a task of its own.
-        A timeout, close or dispose cancels the asyncio task while the job runs in it
-        (``task.ours``); any other cancellation (the awaiter's own) cancels the job too.
-        """
-        if current is None:
-            current = _current_task()
-            assert current is not None
-        if awaitable is None and task.timeout is not None:  # (a sync job's was armed at its go)
-            self._arm_timeout(task)
-        task.begun = True  # then look: see _settled
-        if task.settled:  # cancelled, timed out or closed between its turn and now
-            _discard(awaitable)
-            self._end_guarded(task, None, None, token)
-            return
-        task.ours = False  # (an earlier attempt's, taken back by its awaiter)
-        if (
-            awaitable is None  # (a sync job that returned an awaitable started already)
-            and task.attempt == 1
-            and (task.retry is not None or self._stall_after is not None)
-        ):
-            self._first_start(task)
-        guard = self._guard
-        permit = task.permit
-        entered: object = None
-        value: Any = None
-        error: BaseException | None = None
-        task.inside = current
-        tel = task.tel
-        scope = None
-        if tel is not None:  # its span opens around the job, in this task's context
-            tel.started()
-            scope = tel.scope()
-            scope.__enter__()
-        try:
-            if token is _NO_TOKEN and guard is not None and task.key is not None:
-                token = await guard.enter_async(task.key)
-            if awaitable is None:
-                job = task.job
-                assert job is not None
-                if permit is not None:
-                    entered = permit.enter()
-                value = job(*task.args)
-                if type(value) is CoroutineType:  # (the common case, before the ABC checks)
-                    value = await value
-                elif isinstance(value, abc.ObservableBase) or not inspect.isawaitable(value):
-                    # A remembered code returned something else: worker threads again.
-                    forget(job)
-                    if isinstance(value, abc.ObservableBase) or _is_concurrent_future(value):
-                        task.inside = None
-                        self._returned(task, value, token)  # runs to its end from there
-                        return
-                else:
-                    value = await value
-            else:
-                value = await awaitable
-        except asyncio.CancelledError as exc:
-            if not task.ours:  # not ours: the awaiting task itself was cancelled, so is the job
-                task.inside = None
-                self._cancel(task)
-                if token is not _NO_TOKEN:
-                    assert guard is not None
-                    with contextlib.suppress(Exception):
-                        await guard.exit_async(token)
-                self._end(task, None, None)
-                raise
-            value, error = None, exc
-        except BaseException as exc:
-            value, error = None, exc
-        finally:
-            task.inside = None
-            if entered is not None:
-                assert permit is not None
-                permit.exit(entered)
-            if scope is not None:
-                scope.__exit__(None, None, None)
-        if token is not _NO_TOKEN:
-            assert guard is not None
-            try:
-                await guard.exit_async(token)  # LeaseLost if exclusion was lost meanwhile
-            except Exception as exc:
-                if error is None:
-                    value, error = None, exc
-        self._end(task, value, error)
-
-    def _run_sync(self, task: Task) -> None:
-        """Run a sync job on the runner's thread: guard, call, and what it returned."""
-        task.begun = True  # then look: see _settled
-        if task.settled:  # cancelled (or closed) between its hand-off and now
-            self._end(task, None, None)
-            return
-        if task.attempt == 1 and (task.retry is not None or self._stall_after is not None):
-            self._first_start(task)
-        guard = self._guard
-        token: Any = _NO_TOKEN
-        try:
-            if guard is not None and task.key is not None:
-                # Keyed: enter the key guard too (blocking here is fine: this thread is the
-                # job's), so the key is exclusive beyond this coordinator as well.
-                token = guard.enter(task.key)
-            context = task.context
-            assert context is not None
-            if task.tel is not None:
-                task.tel.started(context)  # its span opens in the job's context, around it
-            result = context.run(self._call, task)
-        except BaseException as exc:  # the job's error goes to its subscriber
-            self._end_guarded(task, None, exc, token)
-            return
-        self._returned(task, result, token)
-
-    @staticmethod
-    def _call(task: Task) -> Any:
-        """The job's call (in its context), with its permit entered around it."""
-        job = task.job
-        assert job is not None
-        permit = task.permit
-        if permit is None:
-            return job(*task.args)
-        entered = permit.enter()
-        try:
-            return job(*task.args)
-        finally:
-            permit.exit(entered)
-
-    def _returned(self, task: Task, result: Any, token: Any) -> None:
-        """What a job returned: its value, or work to run to its end (``rxcoord._core.jobs``).
-
-        An Observable (itself awaitable, but a stream) or a future runs to its end; another
-        awaitable (``lambda: handle(m)`` is an async job in disguise) is awaited on the loop,
-        and the job's code remembered so that its later jobs start there at once.
-        """
-        if type(result) in _PLAIN:
-            self._end_guarded(task, result, None, token)
-        elif isinstance(result, abc.ObservableBase) or _is_concurrent_future(result):
-            work = Work(self, task, token)
-            with self._lock:
-                cancelled = task.settled
-                if not cancelled:
-                    task.work = work
-            if cancelled:
-                work.done = True
-                _cancel_concurrent(result)
-                self._end_guarded(task, None, None, token)
-                return
-            # A future's done-callback ends the task: say so before it can run (or be cancelled).
-            work.pending = _is_concurrent_future(result)
-            try:
-                work.start(result)
-            except Exception as exc:
-                if work._release():
-                    self._end_guarded(task, None, exc, token)
-        elif inspect.isawaitable(result):
-            job = task.job
-            assert job is not None
-            remember(job)
-            loop = self._scheduler_loop or task.loop
-            if loop is None:
-                _discard(result)
-                self._end_guarded(task, None, RuntimeError(_NO_LOOP), token)
-                return
-            if task.settled:  # cancelled (or timed out) while the sync part ran
-                _discard(result)
-                self._end_guarded(task, None, None, token)
-                return
-            task.job_loop = loop
-            try:
-                spawn(loop, lambda: self._run_async(task, result, token, None), task.context)
-            except Exception as exc:  # the loop was closed meanwhile: tell the caller
-                _discard(result)
-                self._end_guarded(task, None, exc, token)
-        else:
-            self._end_guarded(task, result, None, token)
-
-    def _work_ended(self, work: Work, value: Any, error: BaseException | None) -> None:
-        """An Observable or future a job returned has ended (or was stopped)."""
-        task = work.task
-        task.work = None
-        if work.token is _NO_TOKEN:
-            self._end(task, value, error)
-        else:  # leaving the key guard is a round trip: never on the thread that ended the work
-            hand_off(lambda: self._end_guarded(task, value, error, work.token), "a key guard")
-
-    def _end_guarded(self, task: Task, value: Any, error: BaseException | None, token: Any) -> None:
-        """``_end``, after leaving the key guard (blocking) if the job entered it."""
-        if token is not _NO_TOKEN:
-            assert self._guard is not None
-            try:
-                self._guard.exit(token)  # LeaseLost if it expired: the work may overlap another's
-            except Exception as exc:
-                if error is None:
-                    value, error = None, exc
-                else:
-                    self._log.opt(exception=True).warning("leaving the key guard failed")
-        self._end(task, value, error)
-
-    # -- end -> deliver --------------------------------------------------------------------------
 
     def _end(self, task: Task, value: Any, error: BaseException | None) -> None:
         """The task's work ended (or it never ran): retry it, or free its key and slot and
@@ -1158,104 +711,15 @@ class TenantTaskCoordinator(Closeable):
         if decided:
             if error is not None:
                 self._log.opt(exception=error).debug("job failed on {!r}", self._name)
-            if task.observer is None and _get_running_loop() is task.loop:
+            if task.observer is None and running_loop() is task.loop:
                 task.land(value, error)  # the awaiter's own loop: no hops (bench_asyncio's rows)
             else:
                 self._deliver(task, value, error)
 
-    def _retried(self, task: Task, error: BaseException) -> bool:
-        """Decide another attempt after ``error``: if there is one, the task gives its slot and
-        permit back but keeps its key, and queues again once its wait is over."""
-        policy = task.retry
-        assert policy is not None
-        wait = policy.next_wait(error, task.attempt, self._elapsed(task))
-        if wait is None:
-            return False
-        with self._lock:
-            if task.settled or task.state is not RUNNING:
-                return False  # cancelled, or closed, meanwhile: it ends
-            starts = self._table.suspend(task)
-        timer = task.timer
-        if timer is not None:  # this attempt's timeout
-            task.timer = None
-            timer()
-        task.begun = False
-        task.inside = None
-        task.work = None
-        task.permit = None
-        ticket = task.ticket
-        if ticket is not None:  # no permit is held while it waits
-            task.ticket = None
-            ticket._give_back()
-        self._log.warning(
-            "job of key {!r} on {!r}: attempt {} of {} failed ({!r}), retrying in {:.3f} s",
-            task.key,
-            self._name,
-            task.attempt,
-            policy.attempts,
-            error,
-            wait,
-        )
-        task.attempt += 1
-        if task.tel is not None:
-            task.tel.retrying(error)
-        cancel = self._clock.call_later(wait, lambda: self._resume(task))
-        with self._lock:
-            state: int = task.state  # (suspended above; cancelled or closed since, maybe)
-            armed = state is RETRYING and task.timer is None
-            if armed:
-                task.timer = cancel
-        if not armed:
-            cancel()  # cancelled (or closed) meanwhile: no next attempt
-        for started in starts:
-            self._turn(started)
-        return True
-
-    def _resume(self, task: Task) -> None:
-        """A retrying task's wait is over: it queues for a slot again (ahead of its key)."""
-        with self._lock:
-            if task.state is not RETRYING:
-                return  # cancelled or closed while it waited
-            task.timer = None
-            turn = self._table.resume(task)
-        if turn:
-            self._turn(task)
-
-    def _first_start(self, task: Task) -> None:
-        """A job's first attempt starts: the clock of its deadline and its stall watch."""
-        task.first_start = self._clock.now()
-        stall_after = self._stall_after
-        if stall_after is not None:
-            task.stall = self._clock.call_later(stall_after, lambda: self._stalled(task))
-
-    def _stalled(self, task: Task) -> None:
-        """A job has been in progress for ``stall_after`` seconds (on the timer's thread)."""
-        if task.state is DONE:
-            return
-        elapsed = self._elapsed(task)
-        self._log.warning(
-            "job of key {!r} on {!r} stalled: in progress for {:.3f} s (attempt {})",
-            task.key,
-            self._name,
-            elapsed,
-            task.attempt,
-        )
-        on_stall = self._on_stall
-        if on_stall is not None:
-            hand_off(lambda: on_stall(task.key, elapsed), "on_stall")
-
-    def _elapsed(self, task: Task) -> float:
-        """Seconds since the task's first attempt started (0 if it has not)."""
-        first = task.first_start
-        return 0.0 if first is None else self._clock.now() - first
-
-    def _timeout_error(self, task: Task) -> TimeoutError:
-        return TimeoutError(f"job timed out after {task.timeout} s on coordinator {self._name!r}")
-
     def _deliver(self, task: Task, value: Any, error: BaseException | None) -> None:
         """Send the outcome to the subscriber (or awaiter), on its loop if it has one."""
         loop = task.loop
-        if loop is not None and _get_running_loop() is not loop:
+        if loop is not None and running_loop() is not loop:
             try:
                 loop.call_soon_threadsafe(self._deliver_now, task, value, error)
             except RuntimeError:  # the subscriber's loop is closed: nobody is listening
@@ -1281,7 +745,7 @@ class TenantTaskCoordinator(Closeable):
     def _deliver_item(self, task: Task, item: Any) -> None:
         """One item of an Observable job, to the subscriber (on its loop if it has one)."""
         loop = task.loop
-        if loop is not None and _get_running_loop() is not loop:
+        if loop is not None and running_loop() is not loop:
             with contextlib.suppress(RuntimeError):  # the subscriber's loop is closed
                 loop.call_soon_threadsafe(self._deliver_item_now, task, item)
             return
@@ -1352,75 +816,6 @@ class TenantTaskCoordinator(Closeable):
             if idle:
                 self._became_idle()
 
-    def _stop(self, task: Task) -> None:
-        """Stop a running job's work: an async job is cancelled on its loop, an Observable
-        disposed, a future cancelled; a sync job's thread cannot be stopped."""
-        timer = task.timer
-        if timer is not None:
-            task.timer = None
-            timer()
-        work = task.work
-        if work is not None:
-            work.cancel()
-        loop = task.job_loop
-        if loop is not None:
-            if _get_running_loop() is loop:
-                self._cancel_inside(task)
-            else:
-                with contextlib.suppress(RuntimeError):  # loop closed: the job cannot run any more
-                    loop.call_soon_threadsafe(self._cancel_inside, task)
-
-    @staticmethod
-    def _cancel_inside(task: Task) -> None:
-        """On the job's loop: cancel the asyncio task the job runs in, if it runs now."""
-        inside = task.inside
-        if inside is not None:
-            task.inside = None
-            task.ours = True
-            inside.cancel()
-
-    def _arm_timeout(self, task: Task) -> None:
-        timeout = task.timeout
-        assert timeout is not None
-        cancel = self._clock.call_later(timeout, lambda: self._time_out(task))
-        with self._lock:
-            if task.state is RUNNING and task.timer is None and not task.settled:
-                task.timer = cancel
-                return
-        cancel()  # the job finished (or was cancelled) before the timer was armed
-
-    def _time_out(self, task: Task) -> None:
-        error = self._timeout_error(task)
-        policy = task.retry
-        retry = policy is not None and (
-            policy.next_wait(error, task.attempt, self._elapsed(task)) is not None
-        )
-        with self._lock:
-            if task.settled or task.state is not RUNNING:
-                return
-            task.timer = None
-            if retry:  # stop this attempt; its end retries it (see _end)
-                task.expired = True
-            else:
-                self._table.settle(task, TIMED_OUT)
-        self._log.info(
-            "a job on {!r} timed out after {} s (attempt {})",
-            self._name,
-            task.timeout,
-            task.attempt,
-        )
-        self._stop(task)
-        if retry:
-            return
-        if self._virtual is not None or task.loop is not None:
-            self._deliver(task, None, error)  # virtual time, or hopping onto the caller's loop
-        else:
-            # This runs on the process-wide timer thread: subscriber code there would delay
-            # every other timeout, lease renewal and eviction (or kill the thread). Hand off.
-            hand_off(lambda: self._deliver_now(task, None, error))
-
-    # -- close ---------------------------------------------------------------------------------
-
     def _start_draining(self, on_idle: Callable[[], object]) -> bool:
         """Refuse new work and fail waiting submissions; True if ``on_idle`` will be called
         once no job is left, False if there is nothing to wait for."""
@@ -1487,22 +882,6 @@ def _counts(coordinator: TenantTaskCoordinator) -> tuple[int, int, int]:
 
 def _by_state(task: Task) -> int:
     return task.state
-
-
-def _discard(awaitable: Any) -> None:
-    if inspect.iscoroutine(awaitable):
-        awaitable.close()  # never awaited: say so, not with a RuntimeWarning
-
-
-def _is_concurrent_future(value: Any) -> bool:
-    import concurrent.futures
-
-    return isinstance(value, concurrent.futures.Future)
-
-
-def _cancel_concurrent(value: Any) -> None:
-    if _is_concurrent_future(value):
-        value.cancel()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

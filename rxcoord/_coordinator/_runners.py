@@ -23,13 +23,17 @@ import contextvars
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from reactivex import abc
 
 from .._core.workers import WorkerPool
 
-__all__ = ["LoopRunner", "Runner", "SchedulerRunner", "WorkerRunner", "spawn"]
+__all__ = ["LoopRunner", "Runner", "SchedulerRunner", "WorkerRunner", "running_loop", "spawn"]
+
+# asyncio's low-level form of get_running_loop: None, not an exception, where no loop runs (a
+# subscriber on a plain thread). Every job asks, several times (bench_asyncio's rows).
+running_loop: Final = asyncio._get_running_loop
 
 
 class Runner(Protocol):
@@ -107,7 +111,7 @@ def spawn(
     Raises:
         RuntimeError: ``loop`` is closed.
     """
-    if asyncio._get_running_loop() is loop:
+    if running_loop() is loop:
         loop.create_task(coroutine(), context=context)
     else:
         loop.call_soon_threadsafe(_create, loop, coroutine, context)
