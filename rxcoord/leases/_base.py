@@ -52,12 +52,18 @@ from rxcoord._core.jobs import JobRun, Work, job_takes_lease, subscriber_loop
 from rxcoord._core.lifecycle import Closeable
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
 
+from .._core.checks import (
+    MAX_DURATION,
+    MAX_NAME_BYTES,
+    check_lease_args,
+    check_lease_name,
+    check_wait,
+)
 from ._background import Background
 from ._lease import DistributedLease, LeaseHolder
 from ._listing import StoreListing
 from ._notify import WaitHub
 from ._permits import PermitReply, RateArgs
-from ._validate import MAX_DURATION, MAX_NAME_BYTES, check_lease_args, check_timeout
 from ._waiting import Failure, LeaseWait, Outcome, Waits
 
 __all__ = ["LeaseProvider", "LeaseProviderStats"]
@@ -361,7 +367,7 @@ class LeaseProvider(Closeable):
             LeaseProviderClosed: The provider was closed (also while waiting).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        wait = check_timeout(timeout)
+        wait = check_wait(timeout)
         deadline = None if wait is None else monotonic() + wait
         begun = self._telemetry.begin()
         # The first attempt on the caller's thread: the uncontended path is one round trip.
@@ -465,9 +471,7 @@ class LeaseProvider(Closeable):
         return LeaseHolder(name, token, max(0.0, remaining), released)
 
     def _check_name(self, name: object) -> None:
-        check_lease_args(
-            name, 1.0, 0.0, max_name_bytes=self.max_name_bytes, backend=type(self).__name__
-        )
+        check_lease_name(name, self.max_name_bytes, type(self).__name__)
 
     def _check_lease_args(
         self, name: object, at_most_for: object, at_least_for: object
@@ -600,7 +604,7 @@ class LeaseProvider(Closeable):
             ValueError: Bad arguments (raised here, not on subscription).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        wait_for = check_timeout(timeout)
+        wait_for = check_wait(timeout)
         pass_lease = job_takes_lease(job)  # once per call, not per subscription
 
         def subscribe(
@@ -686,7 +690,7 @@ class LeaseProvider(Closeable):
             ValueError: Bad arguments (raised here, not on subscription).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        wait_for = check_timeout(timeout)
+        wait_for = check_wait(timeout)
 
         def subscribe(
             observer: abc.ObserverBase[DistributedLease],
@@ -792,7 +796,7 @@ class LeaseProvider(Closeable):
             LeaseProviderClosed: The provider was closed (also while waiting).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        wait = check_timeout(timeout)
+        wait = check_wait(timeout)
         lease = await self._wait_async(self._waits.new(name, most, least, wait))
         assert lease is not None  # a taken name raised LockTimeout
         if keep_alive:

@@ -41,7 +41,7 @@ from rxcoord._errors import (
     LeaseStoreUnavailable,
 )
 
-from ._validate import check_duration
+from .._core.checks import check_length
 
 if TYPE_CHECKING:
     from ._base import LeaseProvider
@@ -263,7 +263,7 @@ class DistributedLease:
         most = (
             self.at_most_for
             if at_most_for is None
-            else check_duration("at_most_for", at_most_for, maximum=self._provider.max_duration)
+            else check_length(at_most_for, "at_most_for", maximum=self._provider.max_duration)
         )
         state = self._state
         if state is not _HELD:

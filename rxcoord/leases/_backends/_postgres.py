@@ -110,11 +110,11 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
+from ..._core.checks import check_identifier, check_length
 from .._base import LeaseProvider
 from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import Listener, WaitHub
 from .._permits import PermitReply, RateArgs, hub_name
-from .._validate import check_duration, check_table
 from ._drivers import require, route_driver_logs
 
 if TYPE_CHECKING:
@@ -220,10 +220,10 @@ class PostgresLeases(LeaseProvider):
         configure: Callable[[psycopg.Connection[Any]], None] | None = None,
         sweep_every: float | None = _SWEEP_EVERY,
     ) -> None:
-        parts = check_table(table)
-        self._timeout = check_duration("timeout", timeout)
+        parts = check_identifier(table)
+        self._timeout = check_length(timeout, "timeout")
         self._sweep_every = (
-            None if sweep_every is None else check_duration("sweep_every", sweep_every)
+            None if sweep_every is None else check_length(sweep_every, "sweep_every")
         )
         if not 0 <= min_size <= max_size or max_size < 1:
             raise ValueError(

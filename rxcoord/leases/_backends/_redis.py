@@ -105,11 +105,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
+from ..._core.checks import check_length
 from .._base import LeaseProvider
 from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import Listener, WaitHub
 from .._permits import PermitReply, RateArgs, hub_name
-from .._validate import check_duration
 from ._drivers import require, route_driver_logs
 
 if TYPE_CHECKING:
@@ -687,7 +687,7 @@ class RedisLeases(LeaseProvider):
                 f"prefix must not contain '{{' or '}}' ({prefix!r}): the name's hash tag must be "
                 "the first one in its key"
             )
-        seconds = check_duration("timeout", timeout)
+        seconds = check_length(timeout, "timeout")
         redis_mod = require("redis", "redis")
         route_driver_logs("redis")
         from redis.backoff import NoBackoff

@@ -51,11 +51,11 @@ from typing import Any, Final, TypeVar
 
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
+from ..._core.checks import check_identifier, check_length
 from .._base import LeaseProvider
 from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import WaitHub
 from .._permits import PermitGroup, PermitReply, RateArgs, hub_name
-from .._validate import check_duration, check_table
 
 __all__ = ["SqliteLeases"]
 
@@ -145,10 +145,10 @@ class SqliteLeases(LeaseProvider):
         durable: bool = True,
         poll: tuple[float, float] = (0.002, 0.05),
     ) -> None:
-        parts = check_table(table)
-        self._timeout = check_duration("timeout", timeout, allow_zero=True)
-        first = check_duration("poll[0]", poll[0])
-        cap = check_duration("poll[1]", poll[1])
+        parts = check_identifier(table)
+        self._timeout = check_length(timeout, "timeout", allow_zero=True)
+        first = check_length(poll[0], "poll[0]")
+        cap = check_length(poll[1], "poll[1]")
         self.path = os.fspath(path)
         _check_usable(self.path)
         self.table = table
