@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Final
 from loguru import logger
 
 from ._admission import Admission, AdmissionTicket, Permit
+from ._core import telemetry
 from ._core.checks import check_count, check_length, check_weight
 from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
@@ -265,7 +266,12 @@ class FleetAdmission:
         self._rate_waited = 0.0
         self._lock = threading.Lock()
         self._closed = False
-        self._lanes: dict[str, _Lane] = {}  # lanes with tickets, demand or a step in flight
+        self._lanes: dict[str, _Lane] = {}
+        # rxcoord.fleet.permit.wait: when each waiting ticket asked (only while metrics are on).
+        self._permit_tel = telemetry.fleet(name)
+        self._begun: dict[
+            AdmissionTicket, float
+        ] = {}  # lanes with tickets, demand or a step in flight
         self._held: dict[int, FleetPermit] = {}
         self._releases: list[FleetPermit] = []
         self._releasing = False
@@ -405,6 +411,9 @@ class FleetAdmission:
             if lane is None:
                 lane = self._lanes[tenant] = _Lane(tenant, weight, tenant_limit, rate)
             lane.waiting.append(ticket)
+            begun = self._permit_tel.begin()  # (0.0 while no metrics are recorded)
+            if begun:
+                self._begun[ticket] = begun
             start = self._kick(lane)
         if start:
             self._workers.submit(lambda: self._step(lane))
@@ -419,9 +428,11 @@ class FleetAdmission:
             except ValueError:
                 return False
             lane.held.pop(ticket, None)
+            begun = self._begun.pop(ticket, 0.0) if self._begun else 0.0
             # The last ticket left: take our demand back from the store, or a freed permit
             # would stay reserved for a tenant nobody here waits for any more.
             start = not lane.waiting and self._kick(lane)
+        self._permit_tel.waited(begun, "cancelled")
         if start:
             self._workers.submit(lambda: self._step(lane))
         return True
@@ -526,6 +537,10 @@ class FleetAdmission:
             for permit in spare:
                 self._release(permit)
             for ticket, permit in grants:
+                if self._begun:
+                    with self._lock:
+                        begun = self._begun.pop(ticket, 0.0)
+                    self._permit_tel.waited(begun, "acquired")
                 ticket.grant(permit)  # a job that left gives it back through _release
             with self._lock:
                 if lane.dirty or (waiting and reply.tokens and not self._closed):
@@ -564,6 +579,9 @@ class FleetAdmission:
             lane.waiting.clear()
             lane.held.clear()
             lane.registered = False  # whatever we registered expires with demand_for
+            begun = [self._begun.pop(t, 0.0) for t in tickets] if self._begun else []
+        for stamp in begun:
+            self._permit_tel.waited(stamp, "failed")
         for ticket in tickets:
             ticket.refuse(error)
 

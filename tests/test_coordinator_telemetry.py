@@ -276,3 +276,24 @@ def test_what_a_job_sets_does_not_leak_into_the_caller() -> None:
     with TenantTaskCoordinator() as c:
         c.execute(sets).run()
     assert request_id.get() is None
+
+
+def test_fleet_permit_waits_are_recorded_by_outcome(otel: Telemetry) -> None:
+    from rxcoord.leases import MemoryLeases
+
+    gate = Gate()
+    with (
+        MemoryLeases() as leases,
+        TenantTaskCoordinator(name="fleet-waits", fleet=leases, max_concurrency=1) as c,
+    ):
+        first = Outcome()
+        first.subscribe_to(c.execute(gate))
+        assert gate.started.wait(WAIT)
+        second = Outcome()
+        second.subscribe_to(c.execute(lambda: "second"))  # waits for the one permit
+        gate.open()
+        assert first.done.wait(WAIT)
+        assert second.done.wait(WAIT)
+    metrics = otel.collect()
+    name = {"rxcoord.name": "fleet-waits"}
+    assert metrics.count("rxcoord.fleet.permit.wait", {**name, "rxcoord.outcome": "acquired"}) == 2
