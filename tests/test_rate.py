@@ -25,7 +25,7 @@ from support.rates import ManualClock, assert_within_rate, rate_excess
 from rxcoord import Admission, AdmissionTicket, Rate
 from rxcoord._admission import FairShareGate, RateAdmission
 from rxcoord._core import rate as gcra
-from rxcoord._core.clock import MONOTONIC, SchedulerClock, clock_for
+from rxcoord._core.clock import MONOTONIC, Alarm, SchedulerClock, clock_for
 from rxcoord._rate import RateStats
 
 # -- Rate: the policy class -------------------------------------------------------------------
@@ -186,6 +186,29 @@ def test_clock_for_picks_virtual_time_for_a_virtual_scheduler() -> None:
     cancel()
     scheduler.advance_by(2.0)
     assert -1.0 not in fired
+
+
+def test_an_alarm_keeps_one_call_the_earliest() -> None:
+    clock = ManualClock()
+    rang: list[float] = []
+
+    def callback() -> None:
+        alarm.rang()
+        rang.append(clock.now())
+
+    alarm = Alarm(clock, callback)
+    alarm.set(clock.now(), 2.0)
+    alarm.set(clock.now(), 3.0)  # later than the pending call: nothing changes
+    assert clock.pending == 1
+    alarm.set(clock.now(), 1.0)  # earlier: replaces it
+    assert clock.pending == 1
+    clock.advance(5.0)
+    assert rang == [1001.0]
+    alarm.set(clock.now(), 3.0)  # rang: a later time is set again
+    alarm.stop()
+    assert clock.pending == 0
+    clock.advance(5.0)
+    assert rang == [1001.0]
 
 
 # -- RateAdmission through the Admission protocol ---------------------------------------------
