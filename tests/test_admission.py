@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.execution import Outcome
 from support.waiting import WAIT
 
 from rxcoord import (
@@ -60,23 +60,6 @@ class ManualAdmission:
             ticket = self.waiting.pop(0)
             self.out += 1
         return ticket.grant(permit)
-
-
-class Outcome:
-    def __init__(self) -> None:
-        self.values: list[Any] = []
-        self.error: Exception | None = None
-        self.done = threading.Event()
-
-    def on_next(self, value: Any) -> None:
-        self.values.append(value)
-
-    def on_error(self, error: Exception) -> None:
-        self.error = error
-        self.done.set()
-
-    def on_completed(self) -> None:
-        self.done.set()
 
 
 def test_a_manual_admission_is_an_admission() -> None:
