@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import math
-import threading
 from fractions import Fraction
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reactivex.testing import TestScheduler
+from support.admission import ManualAdmission
 from support.rates import ManualClock, assert_within_rate, rate_excess
 
 from rxcoord import Admission, AdmissionTicket, Rate
@@ -289,35 +289,6 @@ def test_a_withdrawn_waiter_leaves_the_queue_and_its_place_goes_to_the_next() ->
     assert grants.at[third] == 1001.0
     assert admission.stats().waiting == 0
     assert clock.pending == 0, "nobody waits: no timer left behind"
-
-
-class ManualAdmission:
-    """An admission the test grants by hand (stands for a gate or a fleet lane)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.waiting: list[AdmissionTicket] = []
-        self.released: list[object] = []
-
-    def request(self, ticket: AdmissionTicket) -> None:
-        with self.lock:
-            self.waiting.append(ticket)
-
-    def withdraw(self, ticket: AdmissionTicket) -> bool:
-        with self.lock:
-            if ticket in self.waiting:
-                self.waiting.remove(ticket)
-                return True
-            return False
-
-    def release(self, permit: object) -> None:
-        self.released.append(permit)
-
-    def grant_all(self, permit: object = "p") -> None:
-        with self.lock:
-            tickets, self.waiting = self.waiting, []
-        for ticket in tickets:
-            ticket.grant(permit)
 
 
 def test_chained_the_token_is_taken_when_the_admission_behind_grants() -> None:
