@@ -21,6 +21,7 @@ import pytest
 from reactivex import abc
 from reactivex import operators as ops
 from support.execution import ManualScheduler
+from support.waiting import until
 
 import rxcoord.leases._base as base_module
 from rxcoord._core.waiter import Waiter
@@ -532,15 +533,6 @@ def test_an_interrupted_blocking_waiter_leaves_its_queue_working(
 
 
 # -- cancel vs grant ------------------------------------------------------------------------
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    """Yield to the loop until ``predicate()`` holds (state, not time)."""
-    for _ in range(5000):
-        if predicate():
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"timed out waiting for {predicate}")
 
 
 async def test_a_task_cancelled_while_its_grant_is_in_flight_leaks_nothing(name: str) -> None:
