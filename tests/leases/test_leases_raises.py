@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
+from support.stores import FakeClock
 
 import rxcoord.leases
 from rxcoord.leases import (
@@ -110,14 +111,6 @@ def documented_cases() -> set[tuple[str, str]]:
 
 
 _P = TypeVar("_P", bound=LeaseProvider)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""Reading a lease store directly, beside the provider under test (what the provider is checked
-against: keys, marks, rows, as the store holds them)."""
+"""Lease stores as a test sees them: read directly, beside the provider under test (keys, marks,
+rows as the store holds them), and a memory store's clock that moves only when the test says."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["redis_client"]
+__all__ = ["FakeClock", "redis_client"]
 
 
 def redis_client(url: str, *, cluster: bool = False) -> Any:
@@ -17,3 +17,13 @@ def redis_client(url: str, *, cluster: bool = False) -> Any:
     import redis
 
     return redis.Redis.from_url(url)
+
+
+class FakeClock:
+    """A clock for ``MemoryLeaseStore(clock)``: ``now`` stands still until the test moves it."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
