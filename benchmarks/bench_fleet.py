@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
@@ -62,7 +63,6 @@ def _semaphore_worker(url: str, key: str, jobs: int, barrier: Barrier, out: Any)
     release = client.register_script(_RELEASE)
     acquire(keys=[key], args=["warm", 1, LIMIT])  # load the scripts before the clock starts
     release(keys=[key], args=["warm"])
-    per_thread = [jobs // THREADS + (1 if i < jobs % THREADS else 0) for i in range(THREADS)]
 
     def loop(count: int) -> None:
         for _ in range(count):
@@ -74,30 +74,51 @@ def _semaphore_worker(url: str, key: str, jobs: int, barrier: Barrier, out: Any)
             finally:
                 release(keys=[key], args=[member])
 
-    threads = [threading.Thread(target=loop, args=(n,)) for n in per_thread]
-    barrier.wait()
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    out.send((started, time.monotonic()))
+    on_threads(loop, jobs, THREADS, barrier, out)
     client.close()
 
 
-def _rxcoord_worker(
-    url: str, prefix: str, name: str, jobs: int, barrier: Barrier, out: Any
+def on_threads(
+    loop: Callable[[int], None], jobs: int, threads: int, barrier: Barrier, out: Any
 ) -> None:
-    from rxcoord import TenantScheduler
+    """A hand-written contender's process: ``jobs`` split over ``threads`` threads, each
+    running ``loop(its share)``, all started once every process is ready; sends (start, end)."""
+    shares = [jobs // threads + (1 if i < jobs % threads else 0) for i in range(threads)]
+    running = [threading.Thread(target=loop, args=(n,)) for n in shares]
+    barrier.wait()
+    started = time.monotonic()
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join()
+    out.send((started, time.monotonic()))
+
+
+def rxcoord_worker(
+    url: str,
+    prefix: str,
+    name: str,
+    jobs: int,
+    barrier: Barrier,
+    out: Any,
+    *,
+    limit: int = LIMIT,
+    rate: tuple[float, int] | None = None,
+) -> None:
+    """One process of the rxcoord contender: ``jobs`` trivial jobs over TENANTS tenants through
+    ``TenantScheduler(limit, fleet=RedisLeases(...))`` (with ``rate=Rate(count, burst=...)``
+    given ``rate=(count, burst)``: bench_rates' fleet row); sends (start, end) to ``out``."""
+    from rxcoord import Rate, TenantScheduler
     from rxcoord.leases import RedisLeases
 
     provider = RedisLeases(url, prefix=prefix)
     scheduler = TenantScheduler(
-        LIMIT,
-        tenant_max_concurrency=LIMIT,
+        limit,
+        tenant_max_concurrency=limit,
         tenant_max_queue_size=jobs,
         name=name,
         fleet=provider,
+        rate=None if rate is None else Rate(rate[0], per=1.0, burst=rate[1]),
     )
     scheduler.execute("warm", lambda: None).run()  # connections, scripts, subscription
     done = threading.Event()
@@ -123,33 +144,51 @@ def _rxcoord_worker(
     out.send((started, ended))
 
 
-def fleet_rate(kind: str, url: str, jobs: int) -> float:
-    """Jobs per second through one limit shared by PROCESSES processes."""
+def in_processes(
+    target: Callable[..., None],
+    args: tuple[Any, ...],
+    processes: int = PROCESSES,
+    **options: Any,
+) -> list[Any]:
+    """Run ``target(*args, barrier, out, **options)`` in ``processes`` spawned processes that
+    start together (``barrier``); what each sent to its ``out`` pipe, in process order.
+
+    Raises:
+        RuntimeError: A process failed.
+    """
     context = multiprocessing.get_context("spawn")
-    barrier = context.Barrier(PROCESSES)
-    run = uuid.uuid4().hex[:8]
+    barrier = context.Barrier(processes)
     pipes = []
     procs = []
-    per_process = jobs // PROCESSES
-    for _ in range(PROCESSES):
+    for _ in range(processes):
         here, there = context.Pipe(duplex=False)
-        if kind == "rxcoord":
-            args: tuple[Any, ...] = (url, f"bench:{run}:", "fleet", per_process, barrier, there)
-            target: Any = _rxcoord_worker
-        else:
-            args = (url, f"bench:{run}:semaphore", per_process, barrier, there)
-            target = _semaphore_worker
-        proc = context.Process(target=target, args=args)
+        proc = context.Process(target=target, args=(*args, barrier, there), kwargs=options)
         proc.start()
         procs.append(proc)
         pipes.append(here)
-    spans = [pipe.recv() for pipe in pipes]
+    sent = [pipe.recv() for pipe in pipes]
     for proc in procs:
         proc.join()
         if proc.exitcode != 0:
-            raise RuntimeError(f"a {kind} worker failed (exit {proc.exitcode})")
+            raise RuntimeError(f"a {target.__name__} process failed (exit {proc.exitcode})")
+    return sent
+
+
+def jobs_per_second(spans: list[tuple[float, float]], jobs: int) -> float:
+    """``jobs`` run by processes that sent these (start, end) spans: first start to last end."""
     elapsed: float = max(end for _, end in spans) - min(start for start, _ in spans)
-    return per_process * PROCESSES / elapsed
+    return jobs / elapsed
+
+
+def fleet_rate(kind: str, url: str, jobs: int) -> float:
+    """Jobs per second through one limit shared by PROCESSES processes."""
+    run = uuid.uuid4().hex[:8]
+    per_process = jobs // PROCESSES
+    if kind == "rxcoord":
+        spans = in_processes(rxcoord_worker, (url, f"bench:{run}:", "fleet", per_process))
+    else:
+        spans = in_processes(_semaphore_worker, (url, f"bench:{run}:semaphore", per_process))
+    return jobs_per_second(spans, per_process * PROCESSES)
 
 
 def round_trips_per_job(url: str, jobs: int) -> float:

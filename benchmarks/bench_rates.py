@@ -33,19 +33,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
 import statistics
 import sys
-import threading
 import time
 import uuid
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
+# The fleet harness (processes, threads, the rxcoord worker, the Redis check) is bench_fleet's: a
+# sibling script, importable by name wherever this one runs (its directory is on sys.path).
+from bench_fleet import (
+    in_processes,
+    jobs_per_second,
+    on_threads,
+    reachable_redis,
+    rxcoord_worker,
+)
+
 PROCESSES = 4
 LIMIT = 64  # fleet-wide permits, and per tenant: far above the jobs in flight (uncontended)
 THREADS = 4  # per process, for the hand-written GCRA script (more threads ran it slower here)
-TENANTS = 4
 FAR_ABOVE = (1_000_000, 1_000)  # count per second, burst: a rate the load never reaches
 ACCURATE = (500, 10)  # the accuracy rows' Rate(count, burst)
 
@@ -77,7 +84,6 @@ def _gcra_worker(url: str, key: str, jobs: int, barrier: Barrier, out: Any) -> N
     throttle = client.register_script(_GCRA)
     interval_us = repr(1e6 / FAR_ABOVE[0])
     throttle(keys=[key + ":warm"], args=[interval_us, FAR_ABOVE[1]])  # load the script first
-    per_thread = [jobs // THREADS + (1 if i < jobs % THREADS else 0) for i in range(THREADS)]
 
     def loop(count: int) -> None:
         for _ in range(count):
@@ -85,82 +91,20 @@ def _gcra_worker(url: str, key: str, jobs: int, barrier: Barrier, out: Any) -> N
                 time.sleep(wait / 1e6)
             pass  # the trivial job
 
-    threads = [threading.Thread(target=loop, args=(n,)) for n in per_thread]
-    barrier.wait()
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    out.send((started, time.monotonic()))
+    on_threads(loop, jobs, THREADS, barrier, out)
     client.close()
-
-
-def _rxcoord_worker(
-    url: str, prefix: str, name: str, jobs: int, barrier: Barrier, out: Any
-) -> None:
-    from rxcoord import Rate, TenantScheduler
-    from rxcoord.leases import RedisLeases
-
-    provider = RedisLeases(url, prefix=prefix)
-    scheduler = TenantScheduler(
-        LIMIT,
-        tenant_max_concurrency=LIMIT,
-        tenant_max_queue_size=jobs,
-        name=name,
-        fleet=provider,
-        rate=Rate(FAR_ABOVE[0], per=1.0, burst=FAR_ABOVE[1]),
-    )
-    scheduler.execute("warm", lambda: None).run()  # connections, scripts, subscription
-    done = threading.Event()
-    left = [jobs]
-    lock = threading.Lock()
-
-    def finished(*_: object) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] == 0:
-                done.set()
-
-    barrier.wait()
-    started = time.monotonic()
-    for i in range(jobs):
-        scheduler.execute(f"tenant-{i % TENANTS}", lambda: None).subscribe(
-            on_error=finished, on_completed=finished
-        )
-    done.wait()
-    ended = time.monotonic()
-    scheduler.close()
-    provider.close()
-    out.send((started, ended))
 
 
 def fleet_jobs_per_second(kind: str, url: str, jobs: int) -> float:
     """Jobs per second of ``kind`` (rxcoord or gcra) in PROCESSES processes on one Redis."""
-    context = multiprocessing.get_context("spawn")
-    barrier = context.Barrier(PROCESSES)
     run = uuid.uuid4().hex[:8]
-    pipes, procs = [], []
     per_process = jobs // PROCESSES
-    for _ in range(PROCESSES):
-        here, there = context.Pipe(duplex=False)
-        if kind == "rxcoord":
-            args: tuple[Any, ...] = (url, f"bench:{run}:", "rates", per_process, barrier, there)
-            target: Any = _rxcoord_worker
-        else:
-            args = (url, f"bench:{run}:gcra", per_process, barrier, there)
-            target = _gcra_worker
-        proc = context.Process(target=target, args=args)
-        proc.start()
-        procs.append(proc)
-        pipes.append(here)
-    spans = [pipe.recv() for pipe in pipes]
-    for proc in procs:
-        proc.join()
-        if proc.exitcode != 0:
-            raise RuntimeError(f"a {kind} worker failed (exit {proc.exitcode})")
-    elapsed: float = max(end for _, end in spans) - min(start for start, _ in spans)
-    return per_process * PROCESSES / elapsed
+    if kind == "rxcoord":  # bench_fleet's worker, with a rate and a limit far above the load
+        args = (url, f"bench:{run}:", "rates", per_process)
+        spans = in_processes(rxcoord_worker, args, PROCESSES, limit=LIMIT, rate=FAR_ABOVE)
+    else:
+        spans = in_processes(_gcra_worker, (url, f"bench:{run}:gcra", per_process), PROCESSES)
+    return jobs_per_second(spans, per_process * PROCESSES)
 
 
 # -- 2. round trips to admit ----------------------------------------------------------------------
@@ -254,25 +198,11 @@ def _accuracy_worker(
 
 
 def accuracy_processes(url: str, window: float) -> float:
-    context = multiprocessing.get_context("spawn")
-    barrier = context.Barrier(PROCESSES)
     prefix = f"bench:{uuid.uuid4().hex[:8]}:"
     jobs = int(ACCURATE[0] * (window + 3) / PROCESSES) * 2  # twice the share of each
-    pipes, procs = [], []
-    for _ in range(PROCESSES):
-        here, there = context.Pipe(duplex=False)
-        proc = context.Process(
-            target=_accuracy_worker, args=(url, prefix, jobs, window, barrier, there)
-        )
-        proc.start()
-        procs.append(proc)
-        pipes.append(here)
-    starts: list[float] = []
-    for pipe in pipes:
-        starts.extend(pipe.recv())  # CLOCK_MONOTONIC: one clock for the machine's processes
-    for proc in procs:
-        proc.join()
-    return _achieved(starts, window)
+    logs = in_processes(_accuracy_worker, (url, prefix, jobs, window), PROCESSES)
+    # CLOCK_MONOTONIC: one clock for the machine's processes
+    return _achieved([t for starts in logs for t in starts], window)
 
 
 # -- 4. in-process overhead (prepared for TenantTaskCoordinator(rate=...)) ------------------------
@@ -313,18 +243,6 @@ def coordinator_async_jobs_per_second(jobs: int, kind: str) -> float:
 
 
 # -- the rows -------------------------------------------------------------------------------------
-
-
-def reachable_redis(url: str) -> str | None:
-    try:
-        import redis
-
-        client = redis.Redis.from_url(url, socket_connect_timeout=1.0)
-        client.ping()
-        client.close()
-    except Exception as exc:  # the reason goes into the note
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 Row = tuple[str, str, str, str, str, str]

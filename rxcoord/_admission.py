@@ -50,7 +50,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
 
-from ._core.clock import MONOTONIC, Cancel, Clock
+from ._core.clock import MONOTONIC, Alarm, Clock
 from ._core.rate import Bucket
 from ._core.waiter import GRANTED, PENDING, Waiter
 from ._rate import RateStats
@@ -227,8 +227,7 @@ class RateAdmission:
         self._queue: deque[_Queued] = deque()
         self._claimed = 0  # tokens of tickets handed on to `then` and not granted there yet
         self._handed: dict[AdmissionTicket, AdmissionTicket] = {}  # ticket -> its ticket at then
-        self._cancel_timer: Cancel | None = None
-        self._timer_at = math.inf
+        self._alarm = Alarm(clock, self._tick)  # the next token's time, while tickets wait
         self._closed = False
         self._granting = _Granting()
         self._waits = 0
@@ -276,7 +275,7 @@ class RateAdmission:
                 if queued.ticket is ticket:
                     self._queue.remove(queued)  # at most the coordinator's cap of entries
                     if not self._queue:
-                        self._stop_timer()
+                        self._alarm.stop()
                     return True
             onward = self._handed.get(ticket)
         if onward is None:
@@ -313,7 +312,7 @@ class RateAdmission:
         """Pass nothing from now on (tickets stay until withdrawn); stop the timer."""
         with self._lock:
             self._closed = True
-            self._stop_timer()
+            self._alarm.stop()
 
     def __repr__(self) -> str:
         return f"<RateAdmission {self.rate!r} waiting={len(self._queue)} then={self._then!r}>"
@@ -328,7 +327,7 @@ class RateAdmission:
         while queue and not self._closed:
             free = bucket.available(now) - self._claimed
             if free <= 0:
-                self._start_timer(now, bucket.wait(now, self._claimed + 1))
+                self._alarm.set(now, bucket.wait(now, self._claimed + 1))
                 break
             queued = queue.popleft()
             if queued.held:
@@ -344,7 +343,7 @@ class RateAdmission:
                 self._handed[ticket] = onward
                 out.append((ticket, onward))
         if not queue:
-            self._stop_timer()
+            self._alarm.stop()
         return out
 
     def _hand_out(self, out: list[tuple[AdmissionTicket, AdmissionTicket | None]]) -> None:
@@ -385,26 +384,9 @@ class RateAdmission:
         if out:
             self._hand_out(out)
 
-    def _start_timer(self, now: float, delay: float) -> None:
-        """Lock held: wake at ``now + delay`` (one timer: the earliest wins)."""
-        at = now + delay
-        if at >= self._timer_at:
-            return
-        if self._cancel_timer is not None:
-            self._cancel_timer()
-        self._timer_at = at
-        self._cancel_timer = self._clock.call_later(delay, self._tick)
-
-    def _stop_timer(self) -> None:
-        if self._cancel_timer is not None:
-            self._cancel_timer()
-            self._cancel_timer = None
-        self._timer_at = math.inf
-
     def _tick(self) -> None:
         with self._lock:
-            self._cancel_timer = None
-            self._timer_at = math.inf
+            self._alarm.rang()  # under our lock, as every use of the alarm (see Alarm)
             out = self._passing(self._clock.now())
         if out:
             self._hand_out(out)
@@ -506,8 +488,7 @@ class FairShareGate:
         self._sleepers: list[tuple[float, int, _Lane]] = []  # lanes waiting for their rate
         self._buckets: dict[Hashable, Bucket] = {}  # lane rates by key, until full again
         self._buckets_sweep_at = 64
-        self._cancel_timer: Cancel | None = None
-        self._timer_at = math.inf
+        self._alarm = Alarm(clock, self._tick)  # the next time a sleeper or the rate may pass
         self._waits = 0
         self._waited = 0.0
 
@@ -543,7 +524,7 @@ class FairShareGate:
         """Grant nothing from now on; waiting tickets stay until they are withdrawn."""
         with self._lock:
             self._closed = True
-            self._stop_timer()
+            self._alarm.stop()
 
     def _bucket(self, rate: Rate, key: Hashable | None) -> Bucket:
         """The bucket of a new lane (lock held)."""
@@ -621,7 +602,7 @@ class FairShareGate:
         """Take a permit for the next ticket, fairly, within the rates (lock held; the caller
         checked that a permit is free)."""
         if self._closed:
-            return None
+            return None  # and so the alarm is never set once closed
         sleepers = self._sleepers
         while sleepers and sleepers[0][0] <= now:
             _, _, lane = heapq.heappop(sleepers)
@@ -634,14 +615,14 @@ class FairShareGate:
             self._stale -= 1
         if not heap:
             if sleepers:
-                self._start_timer(now, sleepers[0][0] - now)
+                self._alarm.set(now, sleepers[0][0] - now)
             return None
         rate = self._rate
         if rate is not None:
             delay = rate.wait(now)
             if delay > 0:
                 self._rate_blocked_at = now
-                self._start_timer(now, min(delay, sleepers[0][0] - now) if sleepers else delay)
+                self._alarm.set(now, min(delay, sleepers[0][0] - now) if sleepers else delay)
                 return None
         pass_, _, lane = heapq.heappop(heap)
         ticket = lane.waiting.popleft()
@@ -664,7 +645,7 @@ class FairShareGate:
         if lane.waiting:
             self._enlist(lane, now)
         if sleepers and not heap:
-            self._start_timer(now, sleepers[0][0] - now)
+            self._alarm.set(now, sleepers[0][0] - now)
         self._running += 1
         return ticket
 
@@ -682,28 +663,11 @@ class FairShareGate:
         finally:
             granting.active = False
 
-    def _start_timer(self, now: float, delay: float) -> None:
-        """Lock held: look again at ``now + delay`` (one timer: the earliest wins)."""
-        at = now + delay
-        if at >= self._timer_at or self._closed:
-            return
-        if self._cancel_timer is not None:
-            self._cancel_timer()
-        self._timer_at = at
-        self._cancel_timer = self._time.call_later(delay, self._tick)
-
-    def _stop_timer(self) -> None:
-        if self._cancel_timer is not None:
-            self._cancel_timer()
-            self._cancel_timer = None
-        self._timer_at = math.inf
-
     def _tick(self) -> None:
         with self._lock:
-            self._cancel_timer = None
-            self._timer_at = math.inf
+            self._alarm.rang()  # under our lock, as every use of the alarm (see Alarm)
             if self._running >= self._limit or self._granting.active:
-                return  # a release calls _next (and sets the timer again if still needed)
+                return  # a release calls _next (and sets the alarm again if still needed)
             granted = self._next(self._time.now())
         if granted is not None:
             self._grant(granted)

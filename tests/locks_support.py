@@ -1,14 +1,14 @@
 """Helpers shared by the KeyedLocks tests.
 
-Windows between threads are held open with events and gates, never with sleeps. ``WAIT`` only
-bounds a wait that a correct implementation ends at once (a bug fails instead of hanging).
+Windows between threads are held open with events and gates, never with sleeps. ``WAIT``
+(``support.waiting``'s, with the polling helpers) only bounds a wait that a correct
+implementation ends at once (a bug fails instead of hanging).
 Timeouts that the logic only needs to *fire* go through :class:`ManualTimer`, a controllable
 clock for the shared timer thread, instead of waiting for real time to pass.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -20,9 +20,6 @@ from rxcoord import KeyedLocks
 from rxcoord._errors import LockTimeout
 from rxcoord._locks import _waiting
 
-WAIT = 10.0  # generous bound for events that must happen; never reached when correct
-_PAUSE = 0.0005
-
 
 def is_free(locks: KeyedLocks, key: Hashable) -> bool:
     """True if a try-lock on ``key`` succeeds right now (and it is released at once)."""
@@ -31,27 +28,6 @@ def is_free(locks: KeyedLocks, key: Hashable) -> bool:
             return True
     except LockTimeout:
         return False
-
-
-def wait_for(predicate: Callable[[], bool], bound: float = WAIT) -> None:
-    """Wait until another thread has reached a state (observed through ``stats()`` etc.).
-
-    Condition-based: returns as soon as the predicate holds. The bound counts polls, not the
-    wall clock; it only turns a bug into a failure instead of a hang.
-    """
-    pause = threading.Event()
-    for _ in range(int(bound / _PAUSE)):
-        if predicate():
-            return
-        pause.wait(_PAUSE)
-    raise AssertionError("state not reached")
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    """Let the loop run until ``predicate`` holds (for states without an event to wait on)."""
-    async with asyncio.timeout(WAIT):
-        while not predicate():  # noqa: ASYNC110 - states without an event to wait on
-            await asyncio.sleep(0)
 
 
 def daemon(fn: Callable[[], object]) -> threading.Thread:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.admission import ManualAdmission
+from support.execution import Outcome
 from support.waiting import WAIT
 
 from rxcoord import (
@@ -23,60 +24,6 @@ from rxcoord import (
     TenantTaskCoordinator,
 )
 from rxcoord._admission import FairShareGate
-
-
-class ManualAdmission:
-    """Queues tickets; the test grants them. Records every withdraw and release."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.waiting: list[AdmissionTicket] = []
-        self.withdrawn: list[AdmissionTicket] = []
-        self.released: list[object] = []
-        self.out = 0  # permits granted and not released yet
-
-    def request(self, ticket: AdmissionTicket) -> None:
-        with self.lock:
-            self.waiting.append(ticket)
-
-    def withdraw(self, ticket: AdmissionTicket) -> bool:
-        with self.lock:
-            if ticket in self.waiting:
-                self.waiting.remove(ticket)
-                self.withdrawn.append(ticket)
-                return True
-            return False
-
-    def release(self, permit: object) -> None:
-        with self.lock:
-            self.released.append(permit)
-            self.out -= 1
-
-    def grant_next(self, permit: object) -> bool | None:
-        """Grant the oldest waiting ticket; None if none waits (it was withdrawn first)."""
-        with self.lock:
-            if not self.waiting:
-                return None
-            ticket = self.waiting.pop(0)
-            self.out += 1
-        return ticket.grant(permit)
-
-
-class Outcome:
-    def __init__(self) -> None:
-        self.values: list[Any] = []
-        self.error: Exception | None = None
-        self.done = threading.Event()
-
-    def on_next(self, value: Any) -> None:
-        self.values.append(value)
-
-    def on_error(self, error: Exception) -> None:
-        self.error = error
-        self.done.set()
-
-    def on_completed(self) -> None:
-        self.done.set()
 
 
 def test_a_manual_admission_is_an_admission() -> None:

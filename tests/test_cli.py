@@ -273,9 +273,12 @@ def test_a_row_has_six_or_seven_fields() -> None:
         Row.of(("w", "1"))
 
 
+@pytest.mark.usefixtures("fresh_bench_modules")
 def test_every_benchmark_script_exposes_bench_rows() -> None:
     import importlib.util
 
+    # Importable by plain name, as `rxcoord bench` loads them: a script may import a sibling.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     names = discover(ROOT / "benchmarks")
     assert set(BENCHMARKS) <= set(names)
     for name in names:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from support.execution import WAIT, Gate, Outcome
+from support.stores import FakeClock
 
 from rxcoord import (
     FleetAdmission,
@@ -30,14 +31,6 @@ from rxcoord import (
 )
 from rxcoord.leases import LeaseProvider, MemoryLeases, MemoryLeaseStore, SqliteLeases
 from rxcoord.leases._permits import PermitReply
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Log:

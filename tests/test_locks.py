@@ -19,10 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from locks_support import WAIT, ManualTimer, Notifications, daemon, is_free, wait_for
+from locks_support import ManualTimer, Notifications, daemon, is_free
 from loguru import logger
 from reactivex import Observable, abc
 from reactivex.testing import TestScheduler
+from support.waiting import WAIT, wait_until
 
 from rxcoord import KeyedLocks, KeyedLocksStats, Lease
 from rxcoord._errors import LeaseReleasedError, LockTimeout, RxcoordError
@@ -194,7 +195,7 @@ def test_a_waiting_thread_gets_the_key_only_after_release() -> None:
     thread = threading.Thread(target=second)
     thread.start()
     # The second holder is parked in the wait queue (not spinning) until the release.
-    wait_for(lambda: locks.stats().waiting == 1)
+    wait_until(lambda: locks.stats().waiting == 1)
     assert not inside.is_set()
     order.append("first out")
     first.__exit__(None, None, None)
@@ -322,7 +323,7 @@ def test_a_hold_lease_entered_while_its_first_entry_waits_is_refused() -> None:
             entered.set()
 
     thread = daemon(first_user)
-    wait_for(lambda: locks.stats().waiting == 1)
+    wait_until(lambda: locks.stats().waiting == 1)
     with pytest.raises(RuntimeError, match=r"call hold\(\) per use"):
         shared.__enter__()
     assert locks.stats().waiting == 1  # the first entry's request is untouched
@@ -441,7 +442,7 @@ def test_blocking_and_async_forms_use_no_rx_subscription(monkeypatch: pytest.Mon
 
     thread = threading.Thread(target=contended)
     thread.start()
-    wait_for(lambda: locks.stats().waiting == 1)
+    wait_until(lambda: locks.stats().waiting == 1)
     first.release()
     thread.join(WAIT)
     assert locks.stats().contended_total == 1
@@ -811,7 +812,7 @@ def test_acquire_timeout_errors_and_withdraws() -> None:
     assert isinstance(error, LockTimeout)
     assert isinstance(error, TimeoutError)
     assert "2 keys" in str(error)
-    wait_for(lambda: behind.granted)  # unblocked by the withdrawal (on a pool thread)
+    wait_until(lambda: behind.granted)  # unblocked by the withdrawal (on a pool thread)
     timer_threads = {t.ident for t in threading.enumerate() if t.name == "rxcoord-timer"}
     assert not set(bulk.threads + behind.threads) & timer_threads  # user code off the timer
     assert locks.stats().timeouts_total == 1
@@ -833,7 +834,7 @@ def test_a_global_request_that_times_out_lets_the_requests_behind_it_through(
     assert everything.done.wait(WAIT)
     assert isinstance(everything.errors[0], LockTimeout)
     assert "global" in str(everything.errors[0])
-    wait_for(lambda: b.granted)  # the barrier went away with the request
+    wait_until(lambda: b.granted)  # the barrier went away with the request
     assert not a.lease.released
     stats = locks.stats()
     assert (stats.global_waiting, stats.timeouts_total, stats.held) == (0, 1, 2)
@@ -858,7 +859,7 @@ def test_acquire_timeout_error_is_delivered_on_the_scheduler(
         scheduler.advance_by(1)
         return bool(waiter.errors)
 
-    wait_for(delivered)
+    wait_until(delivered)
     assert isinstance(waiter.errors[0], LockTimeout)
     a.lease.release()
 

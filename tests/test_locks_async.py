@@ -6,24 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 
 import pytest
 from locks_support import is_free
-from support.waiting import WAIT
+from support.waiting import WAIT, until
 
 from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LockTimeout
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    """Let the loop run until ``predicate()`` holds (bounded: a bug fails instead of hanging).
-
-    The states awaited (a request registered in ``stats()``) have no event to wait on.
-    """
-    async with asyncio.timeout(WAIT):
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0)
 
 
 async def test_hold_async_uncontended() -> None:

@@ -15,10 +15,11 @@ import threading
 from typing import Any
 
 import pytest
-from locks_support import WAIT, ManualTimer, Notifications, daemon, is_free, until, wait_for
+from locks_support import ManualTimer, Notifications, daemon, is_free
 from reactivex import abc
 from reactivex import operators as ops
 from reactivex.scheduler import EventLoopScheduler, ThreadPoolScheduler
+from support.waiting import WAIT, until, wait_until
 
 from rxcoord import KeyedLocks, Lease
 from rxcoord._core import waiter as core_waiter
@@ -96,7 +97,7 @@ def test_a_base_exception_from_one_grant_does_not_lose_the_others() -> None:
         waiter_done.set()
 
     daemon(blocking)
-    wait_for(lambda: locks.stats().waiting == 3)
+    wait_until(lambda: locks.stats().waiting == 3)
     with pytest.raises(SystemExit):
         bulk.release()  # grants a, c and b in one step
     assert other.done.wait(WAIT)  # still told
@@ -141,7 +142,7 @@ def test_await_granted_by_another_thread_completes(form: str) -> None:
             results.append(await locks.acquire("a").pipe(ops.map(take)))
 
     thread = daemon(lambda: asyncio.run(main()))
-    wait_for(lambda: locks.stats().waiting == 1)
+    wait_until(lambda: locks.stats().waiting == 1)
     holder.release()  # grants it on this thread
     thread.join(WAIT)
     assert not thread.is_alive()
@@ -161,7 +162,7 @@ def test_awaiting_acquire_with_a_scheduler_wakes_the_loop() -> None:
         results.append(await locks.acquire("a", scheduler=pool))
 
     thread = daemon(lambda: asyncio.run(main()))
-    wait_for(lambda: locks.stats().waiting == 1)
+    wait_until(lambda: locks.stats().waiting == 1)
     holder.release()
     thread.join(WAIT)
     assert not thread.is_alive()
@@ -223,7 +224,7 @@ def test_work_under_grants_unblocked_by_timeouts_does_not_starve_other_timeouts(
         assert isinstance(timed_out.errors[0], LockTimeout)
     finally:
         finish.set()
-    wait_for(lambda: locks.stats().held == 1)
+    wait_until(lambda: locks.stats().held == 1)
     holder.release()
     assert len(locks) == 0
 
@@ -439,7 +440,7 @@ def test_a_blocking_wait_that_expires_while_its_grant_is_in_flight_gets_the_gran
             outcome.append(exc)
 
     thread = daemon(blocked)
-    wait_for(lambda: locks.stats().waiting == 1)
+    wait_until(lambda: locks.stats().waiting == 1)
     releaser = in_flight.release(holder)
     assert expired.wait(WAIT)  # the deadline has passed with the grant decided, not handed over
     assert thread.is_alive()  # still waiting: for the hand-over now, not the deadline

@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 import reactivex
-from locks_support import WAIT, ManualTimer, Notifications, is_free, until, wait_for
+from locks_support import ManualTimer, Notifications, is_free
 from reactivex import Observable, abc
 from reactivex import operators as ops
 from reactivex.scheduler import NewThreadScheduler
 from reactivex.testing import TestScheduler
+from support.waiting import WAIT, until, wait_until
 
 from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LockTimeout
@@ -116,7 +117,7 @@ def test_disposing_run_while_fn_executes_keeps_the_lease_until_fn_returns() -> N
     subscription.dispose()
     assert not is_free(locks, "a")  # fn cannot be stopped, so it keeps its exclusion
     proceed.set()
-    wait_for(lambda: is_free(locks, "a"))  # released as soon as fn returned
+    wait_until(lambda: is_free(locks, "a"))  # released as soon as fn returned
     assert started == []  # what fn returned was not started after the disposal
     assert results == []
     assert len(locks) == 0
@@ -382,7 +383,7 @@ def test_disposing_run_keeps_the_lease_while_a_running_executor_job_runs() -> No
         subscription.dispose()  # cancel() fails: the job is running
         assert not is_free(locks, "k")  # so it keeps its exclusion
         finish.set()
-        wait_for(lambda: is_free(locks, "k"))  # released when the job returned
+        wait_until(lambda: is_free(locks, "k"))  # released when the job returned
     assert len(locks) == 0
 
 
@@ -431,7 +432,7 @@ def test_run_disposed_while_fn_runs_keeps_the_lease_for_the_job_fn_started() -> 
         scheduler.advance_by(1)  # fn ran and returned
         assert not is_free(locks, "k")  # the lease stays with the running job
         finish.set()
-        wait_for(lambda: is_free(locks, "k"))
+        wait_until(lambda: is_free(locks, "k"))
     assert len(locks) == 0
 
 

@@ -20,10 +20,10 @@ from collections.abc import Callable, Hashable, Iterable
 
 import pytest
 import reactivex
-from locks_support import wait_for
 from reactivex import Observable
 from reactivex import operators as ops
 from reactivex.scheduler import EventLoopScheduler, ThreadPoolScheduler
+from support.waiting import wait_until
 
 from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LockTimeout
@@ -166,7 +166,7 @@ def stress(threads: int, ops_per_thread: int, keys: int, seed: int) -> None:
     workers = [threading.Thread(target=worker, args=(n,)) for n in range(threads)]
     run_with_watchdog(workers, lambda: sum(done) + checker.entries, locks)
     # Timed-out acquisitions may still be finishing on the pool; wait for the handovers.
-    wait_for(lambda: not (locks.stats().held or locks.stats().waiting), STALL)
+    wait_until(lambda: not (locks.stats().held or locks.stats().waiting), timeout=STALL)
     releases.put(None)
     release_thread.join(STALL)
     assert not errors
@@ -259,7 +259,7 @@ def test_global_request_granted_while_single_key_requests_keep_arriving() -> Non
         assert checker.violations == []
     finally:
         stop.set()
-        wait_for(lambda: not len(locks), STALL)  # each chain's last lease is released
+        wait_until(lambda: not len(locks), timeout=STALL)  # each chain's last lease is released
         for scheduler in schedulers:
             scheduler.dispose()
     assert len(locks) == 0

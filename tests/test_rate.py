@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import math
-import threading
 from fractions import Fraction
 from typing import Any
 
@@ -20,12 +19,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reactivex.testing import TestScheduler
+from support.admission import ManualAdmission
 from support.rates import ManualClock, assert_within_rate, rate_excess
 
 from rxcoord import Admission, AdmissionTicket, Rate
 from rxcoord._admission import FairShareGate, RateAdmission
 from rxcoord._core import rate as gcra
-from rxcoord._core.clock import MONOTONIC, SchedulerClock, clock_for
+from rxcoord._core.clock import MONOTONIC, Alarm, SchedulerClock, clock_for
 from rxcoord._rate import RateStats
 
 # -- Rate: the policy class -------------------------------------------------------------------
@@ -188,6 +188,29 @@ def test_clock_for_picks_virtual_time_for_a_virtual_scheduler() -> None:
     assert -1.0 not in fired
 
 
+def test_an_alarm_keeps_one_call_the_earliest() -> None:
+    clock = ManualClock()
+    rang: list[float] = []
+
+    def callback() -> None:
+        alarm.rang()
+        rang.append(clock.now())
+
+    alarm = Alarm(clock, callback)
+    alarm.set(clock.now(), 2.0)
+    alarm.set(clock.now(), 3.0)  # later than the pending call: nothing changes
+    assert clock.pending == 1
+    alarm.set(clock.now(), 1.0)  # earlier: replaces it
+    assert clock.pending == 1
+    clock.advance(5.0)
+    assert rang == [1001.0]
+    alarm.set(clock.now(), 3.0)  # rang: a later time is set again
+    alarm.stop()
+    assert clock.pending == 0
+    clock.advance(5.0)
+    assert rang == [1001.0]
+
+
 # -- RateAdmission through the Admission protocol ---------------------------------------------
 
 
@@ -266,35 +289,6 @@ def test_a_withdrawn_waiter_leaves_the_queue_and_its_place_goes_to_the_next() ->
     assert grants.at[third] == 1001.0
     assert admission.stats().waiting == 0
     assert clock.pending == 0, "nobody waits: no timer left behind"
-
-
-class ManualAdmission:
-    """An admission the test grants by hand (stands for a gate or a fleet lane)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.waiting: list[AdmissionTicket] = []
-        self.released: list[object] = []
-
-    def request(self, ticket: AdmissionTicket) -> None:
-        with self.lock:
-            self.waiting.append(ticket)
-
-    def withdraw(self, ticket: AdmissionTicket) -> bool:
-        with self.lock:
-            if ticket in self.waiting:
-                self.waiting.remove(ticket)
-                return True
-            return False
-
-    def release(self, permit: object) -> None:
-        self.released.append(permit)
-
-    def grant_all(self, permit: object = "p") -> None:
-        with self.lock:
-            tickets, self.waiting = self.waiting, []
-        for ticket in tickets:
-            ticket.grant(permit)
 
 
 def test_chained_the_token_is_taken_when_the_admission_behind_grants() -> None:

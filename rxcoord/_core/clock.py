@@ -10,7 +10,8 @@ halves of a clock. Two kinds:
   time, exactly and without sleeping (tests, simulations).
 
 :func:`clock_for` picks the one a component built with ``scheduler=`` should use, the same
-rule the coordinator follows for its job timeouts.
+rule the coordinator follows for its job timeouts. :class:`Alarm` is what an admission keeps on
+its clock: one pending call, the earliest time asked for wins.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from reactivex.scheduler import VirtualTimeScheduler
 
 from .timer import call_later
 
-__all__ = ["MONOTONIC", "Clock", "SchedulerClock", "clock_for"]
+__all__ = ["MONOTONIC", "Alarm", "Clock", "SchedulerClock", "clock_for"]
 
 Cancel = Callable[[], object]
 
@@ -98,3 +99,50 @@ def clock_for(scheduler: abc.SchedulerBase | None) -> Clock:
     if isinstance(scheduler, VirtualTimeScheduler):
         return SchedulerClock(scheduler)
     return MONOTONIC
+
+
+class Alarm:
+    """One pending call of ``callback`` on ``clock``: asked again, the earliest time wins.
+
+    An admission that waits for a time (its next token) needs one call at the earliest time any
+    of its waiters may pass, not one per waiter. :meth:`set` keeps the earlier of the pending
+    call and the new one, :meth:`stop` cancels it, :meth:`rang` forgets it once it has run.
+
+    No lock of its own, on purpose: the owner calls every method under the owner's lock, and
+    ``callback`` starts by taking that lock and calling :meth:`rang`. So whether a call is
+    pending, and for when, changes in the same critical sections as the state that decides
+    whether one is needed (no second lock, no window between the two), exactly as when each
+    owner kept the two fields itself. A call cancelled too late (already running, waiting for
+    the lock) makes one callback more than needed, which finds nothing due and may set the
+    alarm again; never one fewer: a pending call is only ever replaced by an earlier one.
+    """
+
+    __slots__ = ("_at", "_callback", "_cancel", "_clock")
+
+    def __init__(self, clock: Clock, callback: Callable[[], object]) -> None:
+        self._clock = clock
+        self._callback = callback
+        self._cancel: Cancel | None = None
+        self._at = math.inf
+
+    def set(self, now: float, delay: float) -> None:
+        """Owner's lock held: call back at ``now + delay``, unless a call is due no later."""
+        at = now + delay
+        if at >= self._at:
+            return
+        if self._cancel is not None:
+            self._cancel()
+        self._at = at
+        self._cancel = self._clock.call_later(delay, self._callback)
+
+    def stop(self) -> None:
+        """Owner's lock held: cancel the pending call, if any."""
+        if self._cancel is not None:
+            self._cancel()
+            self._cancel = None
+        self._at = math.inf
+
+    def rang(self) -> None:
+        """Owner's lock held, first thing in the callback: no call is pending any more."""
+        self._cancel = None
+        self._at = math.inf

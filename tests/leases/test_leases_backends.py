@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.stores import FakeClock
 
 from rxcoord.leases import (
     DistributedLease,
@@ -269,14 +270,6 @@ def test_postgres_rejects_bad_pool_sizes() -> None:
 
 
 # -- the memory store on a fake clock: expiry logic in virtual time --------------------------
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_memory_store_expiry_and_at_least_for_in_virtual_time() -> None:

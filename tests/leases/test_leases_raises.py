@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
+from support.stores import FakeClock
 
 import rxcoord.leases
 from rxcoord.leases import (
@@ -110,14 +111,6 @@ def documented_cases() -> set[tuple[str, str]]:
 
 
 _P = TypeVar("_P", bound=LeaseProvider)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +258,27 @@ async def _enter_lock_async(provider: LeaseProvider, name: str, **options: Any) 
         pass
 
 
+def store_cases(method: str, call: Callable[..., object], *args: object) -> None:
+    """``call(provider, *args)`` on a provider whose store is out of reach, refuses for good,
+    or which is closed: the three errors every provider method that asks the store documents."""
+    case(method, "LeaseStoreUnavailable", redis=True)(lambda s: call(s.unreachable(), *args))
+    case(method, "LeaseStoreMisconfigured", redis=True)(lambda s: call(s.refusing(), *args))
+    case(method, "LeaseProviderClosed")(lambda s: call(s.closed_memory(), *args))
+
+
+def lease_cases(
+    method: str, call: Callable[[DistributedLease], object], *, lost: bool = True
+) -> None:
+    """``call(lease)`` on a lease that was released, was lost (if ``lost``), whose store has
+    just stopped or refuses for good, or whose provider was closed."""
+    case(method, "LeaseReleasedError")(lambda s: call(s.released_lease()))
+    if lost:
+        case(method, "LeaseLost")(lambda s: call(s.lost_lease()))
+    case(method, "LeaseStoreUnavailable", redis=True)(lambda s: call(s.lease_then_outage()))
+    case(method, "LeaseStoreMisconfigured", redis=True)(lambda s: call(s.lease_then_refusal()))
+    case(method, "LeaseProviderClosed")(lambda s: call(s.lease_of_closed_provider()))
+
+
 # LeaseProvider.try_acquire, try_acquire_async
 for _method, _call in (
     ("try_acquire", lambda p, *a: p.try_acquire(*a)),
@@ -272,15 +286,7 @@ for _method, _call in (
 ):
     case(f"LeaseProvider.{_method}", "TypeError")(lambda s, c=_call: c(s.memory, 42, 1.0))
     case(f"LeaseProvider.{_method}", "ValueError")(lambda s, c=_call: c(s.memory, "n", 0.0))
-    case(f"LeaseProvider.{_method}", "LeaseStoreUnavailable", redis=True)(
-        lambda s, c=_call: c(s.unreachable(), "n", 1.0)
-    )
-    case(f"LeaseProvider.{_method}", "LeaseStoreMisconfigured", redis=True)(
-        lambda s, c=_call: c(s.refusing(), "n", 1.0)
-    )
-    case(f"LeaseProvider.{_method}", "LeaseProviderClosed")(
-        lambda s, c=_call: c(s.closed_memory(), "n", 1.0)
-    )
+    store_cases(f"LeaseProvider.{_method}", _call, "n", 1.0)
 
 
 def _taken(stores: Stores) -> MemoryLeases:
@@ -302,15 +308,7 @@ for _method, _acquire in (
     case(f"LeaseProvider.{_method}", "ValueError")(
         lambda s, c=_acquire: c(s.memory, "n", 1.0, timeout=-1)
     )
-    case(f"LeaseProvider.{_method}", "LeaseStoreUnavailable", redis=True)(
-        lambda s, c=_acquire: c(s.unreachable(), "n", 1.0)
-    )
-    case(f"LeaseProvider.{_method}", "LeaseStoreMisconfigured", redis=True)(
-        lambda s, c=_acquire: c(s.refusing(), "n", 1.0)
-    )
-    case(f"LeaseProvider.{_method}", "LeaseProviderClosed")(
-        lambda s, c=_acquire: c(s.closed_memory(), "n", 1.0)
-    )
+    store_cases(f"LeaseProvider.{_method}", _acquire, "n", 1.0)
 
 
 def _enter_lock(provider: LeaseProvider, name: str, **options: Any) -> None:
@@ -340,15 +338,7 @@ for _method, _enter in (
     )
     case(f"LeaseProvider.{_method}", "TypeError")(lambda s, c=_enter: c(s.memory, "n", timeout=[]))
     case(f"LeaseProvider.{_method}", "ValueError")(lambda s, c=_enter: c(s.memory, ""))
-    case(f"LeaseProvider.{_method}", "LeaseStoreUnavailable", redis=True)(
-        lambda s, c=_enter: c(s.unreachable(), "n")
-    )
-    case(f"LeaseProvider.{_method}", "LeaseStoreMisconfigured", redis=True)(
-        lambda s, c=_enter: c(s.refusing(), "n")
-    )
-    case(f"LeaseProvider.{_method}", "LeaseProviderClosed")(
-        lambda s, c=_enter: c(s.closed_memory(), "n")
-    )
+    store_cases(f"LeaseProvider.{_method}", _enter, "n")
 case("LeaseProvider.lock", "LeaseLost")(_lock_lost_inside)
 case("LeaseProvider.lock_async", "LeaseLost")(lambda s: run_async(_lock_async_lost_inside(s)))
 
@@ -359,15 +349,7 @@ for _method, _holder in (
 ):
     case(f"LeaseProvider.{_method}", "TypeError")(lambda s, c=_holder: c(s.memory, b"n"))
     case(f"LeaseProvider.{_method}", "ValueError")(lambda s, c=_holder: c(s.memory, "x" * 5000))
-    case(f"LeaseProvider.{_method}", "LeaseStoreUnavailable", redis=True)(
-        lambda s, c=_holder: c(s.unreachable(), "n")
-    )
-    case(f"LeaseProvider.{_method}", "LeaseStoreMisconfigured", redis=True)(
-        lambda s, c=_holder: c(s.refusing(), "n")
-    )
-    case(f"LeaseProvider.{_method}", "LeaseProviderClosed")(
-        lambda s, c=_holder: c(s.closed_memory(), "n")
-    )
+    store_cases(f"LeaseProvider.{_method}", _holder, "n")
 
 # LeaseProvider.run and acquire_rx: argument errors at the call, before any subscription.
 case("LeaseProvider.run", "TypeError")(lambda s: s.memory.run("n", lambda a, b: None))
@@ -381,19 +363,7 @@ for _method, _extend in (
     ("extend", lambda lease, *a: lease.extend(*a)),
     ("extend_async", lambda lease, *a: run_async(lease.extend_async(*a))),
 ):
-    case(f"DistributedLease.{_method}", "LeaseReleasedError")(
-        lambda s, c=_extend: c(s.released_lease())
-    )
-    case(f"DistributedLease.{_method}", "LeaseLost")(lambda s, c=_extend: c(s.lost_lease()))
-    case(f"DistributedLease.{_method}", "LeaseStoreUnavailable", redis=True)(
-        lambda s, c=_extend: c(s.lease_then_outage())
-    )
-    case(f"DistributedLease.{_method}", "LeaseStoreMisconfigured", redis=True)(
-        lambda s, c=_extend: c(s.lease_then_refusal())
-    )
-    case(f"DistributedLease.{_method}", "LeaseProviderClosed")(
-        lambda s, c=_extend: c(s.lease_of_closed_provider())
-    )
+    lease_cases(f"DistributedLease.{_method}", _extend)
     case(f"DistributedLease.{_method}", "TypeError")(
         lambda s, c=_extend: c(s.memory.acquire("n", 1.0), "10")
     )
@@ -402,41 +372,14 @@ for _method, _extend in (
     )
 
 # DistributedLease.release, release_async
-for _method, _release in (
-    ("release", lambda lease: lease.release()),
-    ("release_async", lambda lease: run_async(lease.release_async())),
-):
-    case(f"DistributedLease.{_method}", "LeaseReleasedError")(
-        lambda s, c=_release: c(s.released_lease())
-    )
-    case(f"DistributedLease.{_method}", "LeaseLost")(lambda s, c=_release: c(s.lost_lease()))
-    case(f"DistributedLease.{_method}", "LeaseStoreUnavailable", redis=True)(
-        lambda s, c=_release: c(s.lease_then_outage())
-    )
-    case(f"DistributedLease.{_method}", "LeaseStoreMisconfigured", redis=True)(
-        lambda s, c=_release: c(s.lease_then_refusal())
-    )
-    case(f"DistributedLease.{_method}", "LeaseProviderClosed")(
-        lambda s, c=_release: c(s.lease_of_closed_provider())
-    )
+lease_cases("DistributedLease.release", lambda lease: lease.release())
+lease_cases("DistributedLease.release_async", lambda lease: run_async(lease.release_async()))
 
-# DistributedLease.verify, verify_async
-for _method, _verify in (
-    ("verify", lambda lease: lease.verify()),
-    ("verify_async", lambda lease: run_async(lease.verify_async())),
-):
-    case(f"DistributedLease.{_method}", "LeaseReleasedError")(
-        lambda s, c=_verify: c(s.released_lease())
-    )
-    case(f"DistributedLease.{_method}", "LeaseStoreUnavailable", redis=True)(
-        lambda s, c=_verify: c(s.lease_then_outage())
-    )
-    case(f"DistributedLease.{_method}", "LeaseStoreMisconfigured", redis=True)(
-        lambda s, c=_verify: c(s.lease_then_refusal())
-    )
-    case(f"DistributedLease.{_method}", "LeaseProviderClosed")(
-        lambda s, c=_verify: c(s.lease_of_closed_provider())
-    )
+# DistributedLease.verify, verify_async (a lost lease answers False)
+lease_cases("DistributedLease.verify", lambda lease: lease.verify(), lost=False)
+lease_cases(
+    "DistributedLease.verify_async", lambda lease: run_async(lease.verify_async()), lost=False
+)
 
 
 def _keep_alive_of_lost(stores: Stores) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import reactivex
 from reactivex.subject import Subject
+from support.waiting import until
 
 from rxcoord.leases import DistributedLease, LeaseLost, LeaseProvider, MemoryLeases
 
@@ -42,15 +43,6 @@ def collect(source: reactivex.Observable[Any]) -> tuple[list[Any], BaseException
     source.subscribe(items.append, on_error, done.set)
     assert done.wait(20)
     return items, errors[0] if errors else None
-
-
-async def eventually(predicate: Callable[[], bool], what: str) -> None:
-    """Yield to the loop until ``predicate`` holds (state, not time)."""
-    deadline = time.monotonic() + 10.0
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 def assert_free(provider: LeaseProvider, name: str) -> None:
@@ -132,9 +124,9 @@ async def test_a_subscribed_async_job_holds_the_lease_until_it_has_ended(
     assert holder is not None
     assert not holder.released
     finish.set()
-    await eventually(completed.is_set, "the completion")
+    await until(completed.is_set, "the completion")
     assert items == ["finished"]
-    await eventually(lambda: leases.stats().held == 0, "the release")
+    await until(lambda: leases.stats().held == 0, "the release")
     assert_free(other, name)
 
 
@@ -202,8 +194,8 @@ async def test_disposing_cancels_a_running_coroutine_and_releases_after_its_clea
     subscription = leases.run(name, job).subscribe(on_error=errors.append)
     await asyncio.wait_for(started.wait(), 10)
     subscription.dispose()
-    await eventually(lambda: bool(cleanup), "the job's cleanup")
-    await eventually(lambda: leases.stats().held == 0, "the release")
+    await until(lambda: bool(cleanup), "the job's cleanup")
+    await until(lambda: leases.stats().held == 0, "the release")
     assert cleanup == [True]
     assert errors == []  # disposed: nothing is forwarded
     assert_free(other, name)
@@ -231,7 +223,7 @@ async def test_cancelling_the_awaiting_task_cancels_the_coroutine_under_the_leas
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await eventually(lambda: leases.stats().held == 0, "the release")
+    await until(lambda: leases.stats().held == 0, "the release")
     assert cleanup == [True]
 
 

@@ -11,6 +11,7 @@ import reactivex
 from reactivex import operators as ops
 from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.scheduler import ImmediateScheduler
+from support.waiting import until
 
 from rxcoord.leases import (
     DistributedLease,
@@ -205,20 +206,11 @@ def test_disposing_acquire_rx_cancels_the_wait(backend: Backend, name: str) -> N
 # -- asyncio --------------------------------------------------------------------------------
 
 
-async def until_waiting(leases: LeaseProvider) -> None:
-    """Yield to the loop until the provider has a waiter (state, not time)."""
-    for _ in range(5000):
-        if leases.stats().waiting:
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError("no waiter appeared")
-
-
 async def test_acquire_async_waits_for_the_release(backend: Backend, name: str) -> None:
     holder = backend.new().acquire(name, 5.0)
     leases = backend.new()
     task = asyncio.create_task(leases.acquire_async(name, 5.0, timeout=10.0))
-    await until_waiting(leases)
+    await until(lambda: leases.stats().waiting > 0, "a waiter")
     await holder.release_async()
     lease = await asyncio.wait_for(task, 10)
     assert lease.token > holder.token
@@ -260,7 +252,7 @@ async def test_cancelling_a_waiter_leaks_nothing(backend: Backend, name: str) ->
     holder = backend.new().acquire(name, 60.0)
     leases = backend.new()
     task = asyncio.create_task(leases.acquire_async(name, 5.0))
-    await until_waiting(leases)
+    await until(lambda: leases.stats().waiting > 0, "a waiter")
     assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -283,7 +275,7 @@ async def test_awaiting_acquire_rx_waits_without_blocking_the_loop(
     holder = backend.new().acquire(name, 30.0)
 
     async def release_from_the_loop() -> None:
-        await until_waiting(leases)
+        await until(lambda: leases.stats().waiting > 0, "a waiter")
         await holder.release_async()
 
     leases = backend.new()

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from reactivex import abc
 from reactivex import operators as ops
-from reactivex.disposable import Disposable
-from reactivex.scheduler.scheduler import Scheduler
+from support.execution import ManualScheduler
+from support.waiting import until
 
 import rxcoord.leases._base as base_module
 from rxcoord._core.waiter import Waiter
@@ -294,30 +294,10 @@ def test_a_subscription_kept_for_a_new_waiter_stays_confirmed(
 # -- dispose vs grant -----------------------------------------------------------------------
 
 
-class HeldScheduler(Scheduler):
-    """Runs nothing until told: holds a delivery between the grant and its taking."""
-
-    def __init__(self) -> None:
-        self.actions: list[Callable[[], object]] = []
-
-    def schedule(self, action: Any, state: Any = None) -> abc.DisposableBase:
-        self.actions.append(lambda: action(self, state))
-        return Disposable()
-
-    def schedule_relative(self, duetime: Any, action: Any, state: Any = None) -> Any:
-        raise NotImplementedError
-
-    def schedule_absolute(self, duetime: Any, action: Any, state: Any = None) -> Any:
-        raise NotImplementedError
-
-    def run_next(self) -> None:
-        self.actions.pop(0)()
-
-
 def test_a_disposal_between_grant_and_delivery_releases_the_lease(name: str) -> None:
     store = MemoryLeaseStore()
     with MemoryLeases(store) as leases, MemoryLeases(store) as other:
-        scheduler = HeldScheduler()
+        scheduler = ManualScheduler()  # holds a delivery between the grant and its taking
         got: list[DistributedLease] = []
         subscription = leases.acquire_rx(name, 30.0, scheduler=scheduler).subscribe(got.append)
         scheduler.run_next()  # the first attempt: granted, the delivery is scheduled...
@@ -426,7 +406,7 @@ def test_a_waiter_leaving_while_its_queue_registers_unregisters_it(
 
         monkeypatch.setattr(WaitHub, "watch", leaving_watch)
         got: list[DistributedLease] = []
-        scheduler = HeldScheduler()
+        scheduler = ManualScheduler()  # holds a delivery between the grant and its taking
         subscriptions.append(leases.acquire_rx(name, scheduler=scheduler).subscribe(got.append))
         scheduler.run_next()  # the first attempt: taken, the wait joins a new queue
         assert leases.stats().waiting == 0
@@ -553,15 +533,6 @@ def test_an_interrupted_blocking_waiter_leaves_its_queue_working(
 
 
 # -- cancel vs grant ------------------------------------------------------------------------
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    """Yield to the loop until ``predicate()`` holds (state, not time)."""
-    for _ in range(5000):
-        if predicate():
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"timed out waiting for {predicate}")
 
 
 async def test_a_task_cancelled_while_its_grant_is_in_flight_leaks_nothing(name: str) -> None:

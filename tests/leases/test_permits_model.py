@@ -29,6 +29,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from support.stores import FakeClock
 
 from rxcoord.leases import LeaseProvider, MemoryLeases, MemoryLeaseStore
 from rxcoord.leases._permits import PermitGroup
@@ -43,20 +44,12 @@ GROUP_RATE = (1e4, 5)  # (interval s, burst): see SameAsReference.acquire
 TENANT_RATES = {"a": (1e4, 2), "b": None, "c": (1e4, 1)}
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class PermitLimits(RuleBasedStateMachine):
     """The table's promises, on the memory store, with time."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.clock = FakeClock()
+        self.clock = FakeClock(0.0)
         self.store = MemoryLeaseStore(clock=self.clock)
         self.provider = MemoryLeases(self.store)
         self.group = "g"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.stores import redis_client
 
 from rxcoord.leases import RedisLeases
 from rxcoord.leases._permits import PermitGroup, PermitReply, hub_name
@@ -43,13 +44,7 @@ def redis_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ba
 def _client(backend: Backend) -> Any:
     """A plain redis-py client on the backend's server or cluster (reads the keys directly)."""
     assert backend.url is not None
-    if backend.id == "redis-cluster":
-        from redis.cluster import RedisCluster
-
-        return RedisCluster.from_url(backend.url)
-    import redis
-
-    return redis.Redis.from_url(backend.url)
+    return redis_client(backend.url, cluster=backend.id == "redis-cluster")
 
 
 def _provider(backend: Backend) -> RedisLeases:

@@ -67,6 +67,10 @@ class ManualScheduler(Scheduler):
     def schedule_absolute(self, duetime: Any, action: Any, state: Any = None) -> Any:
         raise NotImplementedError
 
+    def run_next(self) -> None:
+        """Run the oldest action scheduled and not run yet."""
+        self.actions.pop(0)()
+
 
 class Gate:
     """A job that records that it started and returns ``value`` once opened."""
