@@ -199,7 +199,7 @@ class KeyedConsumer:
         self,
         config: Mapping[str, Any],
         topics: Sequence[str],
-        handle: Callable[[Record], Any],
+        handle: Callable[[Record], Any] | Callable[[Record, Any], Any],
         *,
         key: Callable[[Record], Hashable] | None = None,
         max_concurrency: int = 64,
@@ -250,7 +250,7 @@ class KeyedConsumer:
             raise TypeError(f"inline must be True, False or None, not {inline!r}")
         if offsets is not None and not isinstance(offsets, PostgresOffsets):
             raise TypeError(f"offsets must be a PostgresOffsets or None, not {offsets!r}")
-        self._handle = handle
+        self._handle = cast("Callable[[Record], Any]", handle)
         self._key = key
         self._scheduler = scheduler
         self._tenant = tenant
