@@ -169,7 +169,9 @@ def test_a_member_stopped_past_the_session_timeout_rolls_its_late_transactions_b
     # Past the session timeout B owns every partition: it claims them (A's open transactions
     # are ended by the server after --idle) and goes on alone.
     wait_for(
-        lambda: len({r.part for r in effects.rows() if r.worker == "B" and r.id > stopped_at}) == 8,
+        lambda: (
+            len({r.partition for r in effects.rows() if r.worker == "B" and r.id > stopped_at}) == 8
+        ),
         90,
         "B processing all 8 partitions",
     )
