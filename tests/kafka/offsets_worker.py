@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
+import signal
+import sys
 import time
 from typing import Any
+
+from loguru import logger
 
 from rxcoord.kafka import KeyedConsumer, PostgresOffsets, Record
 
@@ -31,6 +36,11 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=10.0)
     parser.add_argument("--outage", type=float, default=60.0)
     args = parser.parse_args()
+    # rxcoord's warnings to this process's output (shown when a test fails).
+    logger.remove()
+    logger.add(sys.stderr, level="INFO", format="{time:HH:mm:ss.SSS} {level} {name}: {message}")
+    logger.enable("rxcoord")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand (a hang)
     sql = (
         f"INSERT INTO {args.effects} (key, seq, worker, part, kafka_offset) "
         "VALUES (%s, %s, %s, %s, %s)"
