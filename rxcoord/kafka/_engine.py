@@ -373,7 +373,7 @@ class Engine:
                     state.advance()
             states = list(self.states.values())
             if self.store is not None:
-                self.store.fold(states)
+                self.store.fold(states, final=True)
             self.commit(states, asynchronous=False)
         finally:
             self.consumer.close()
@@ -461,7 +461,7 @@ class Engine:
             for s in states:
                 s.advance()
         if self.store is not None:
-            self.store.fold(states)
+            self.store.fold(states, final=True)
         self.commit(states, asynchronous=False)
         with self.lock:
             for s in states:

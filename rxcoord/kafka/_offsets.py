@@ -600,14 +600,19 @@ class PostgresOffsets:
         self._claims += len(claims)
         return claims
 
-    def fold(self, states: Sequence[PartitionState]) -> None:
-        """Move the stored prefixes up to the consumer's (poll thread); failures are logged."""
+    def fold(self, states: Sequence[PartitionState], *, final: bool = False) -> None:
+        """Move the stored prefixes up to the consumer's (poll thread); failures are logged.
+
+        After a failure the periodic folds pause for ``timeout`` (the poll loop must not wait
+        for an unreachable database on every turn); a ``final`` fold (on revoke, at the end of
+        the run) is tried regardless.
+        """
         work = []
         for st in states:
             claim = st.claim
             if claim is not None and st.committable > claim.folded:
                 work.append((st, claim, st.committable))
-        if not work or time.monotonic() < self._fold_after:
+        if not work or (not final and time.monotonic() < self._fold_after):
             return
         try:
             conn = self._admin()
