@@ -213,9 +213,12 @@ class _Connections:
     waits goes to the pool (so to that caller) instead of the deque.
     """
 
-    def __init__(self, pool: psycopg_pool.ConnectionPool[Any], timeout: float) -> None:
+    def __init__(self, pool: psycopg_pool.ConnectionPool[Any], timeout: float, cache: bool) -> None:
         self.pool = pool
         self.timeout = timeout
+        # Only in front of the store's own pool: idle connections kept here would be out of
+        # reach of the rest of an application that shares its pool with the store.
+        self.cache = cache
         self.idle: deque[psycopg.Connection[Any]] = deque()
         self.waiting = 0
         self.lock = threading.Lock()
@@ -238,7 +241,13 @@ class _Connections:
         return conn
 
     def put(self, conn: psycopg.Connection[Any]) -> None:
-        if conn.closed or conn.pgconn.transaction_status != _IDLE or self.waiting or self.closing:
+        if (
+            not self.cache
+            or conn.closed
+            or conn.pgconn.transaction_status != _IDLE
+            or self.waiting
+            or self.closing
+        ):
             self.pool.putconn(conn)  # discarded, reset, or handed to a waiter by the pool
             return
         self.idle.append(conn)
@@ -366,8 +375,8 @@ class PostgresOffsets:
             return sql.SQL(query).format(t=ident).as_string(None)
 
         self._sql_create = render(
-            "CREATE TABLE IF NOT EXISTS {t} (group_id text COLLATE \"C\" NOT NULL, "
-            "topic text COLLATE \"C\" NOT NULL, "
+            'CREATE TABLE IF NOT EXISTS {t} (group_id text COLLATE "C" NOT NULL, '
+            'topic text COLLATE "C" NOT NULL, '
             "partition_id integer NOT NULL, kafka_offset bigint NOT NULL, "
             "epoch bigint NOT NULL, done_below bigint, "
             "PRIMARY KEY (group_id, topic, partition_id, kafka_offset))"
@@ -425,6 +434,7 @@ class PostgresOffsets:
             **keepalive_kwargs(self._conninfo, self._timeout),
         }
         self._lock = threading.Lock()
+        self._counts_lock = threading.Lock()
         self._bound = False
         self._closed = False
         self._group = ""
@@ -440,8 +450,8 @@ class PostgresOffsets:
         self._table_ready = False
         # Connections this store has set up (prepared the mark on; set the idle timeout on,
         # for a pool of the application's own)
-        # -> its encoding.
-        self._ready: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        # -> (its encoding, its BEGIN).
+        self._ready: weakref.WeakKeyDictionary[Any, tuple[str, bytes]] = weakref.WeakKeyDictionary()
         self._fold_after = 0.0  # no fold attempt before (monotonic): after a failed one
         self._outage_logged = False
         self._claims = 0
@@ -467,6 +477,11 @@ class PostgresOffsets:
             folds=self._folds,
             connections=self._connections(),
         )
+
+    def _count(self, counter: str) -> None:
+        # Worker threads end records at once: "+=" on an attribute could lose increments.
+        with self._counts_lock:
+            setattr(self, f"_{counter}", getattr(self, f"_{counter}") + 1)
 
     def _connections(self) -> int:
         pool: Any = self._apool if self._is_async else self._conns and self._conns.pool
@@ -740,7 +755,7 @@ class PostgresOffsets:
         done = claim.done
         if done and record.offset in done:
             done.discard(record.offset)
-            self._skipped += 1
+            self._count("skipped")
             return
         failure = self._attempts_sync(record, claim, True)
         if failure is None:
@@ -750,7 +765,7 @@ class PostgresOffsets:
         if verdict is not None:
             raise Stopped(verdict)
         self._attempts_sync(record, claim, False)  # on_error said done: mark it, no effects
-        self._marked_failed += 1
+        self._count("marked_failed")
 
     def _attempts_sync(self, record: Record, claim: Claim, run: bool) -> Exception | None:
         """Transactions until one ends for good; returns the handler's failure, if any."""
@@ -774,8 +789,8 @@ class PostgresOffsets:
             raise _Retry(exc) from exc
         try:
             pgconn = conn.pgconn
-            encoding = self._ready.get(conn) or self._set_up_sync(conn)
-            self._own(conn, pgconn.exec_(b"BEGIN"))
+            encoding, begin = self._ready.get(conn) or self._set_up_sync(conn)
+            self._own(conn, pgconn.exec_(begin))
             if run:
                 try:
                     value = self._handle(record, conn)
@@ -793,7 +808,7 @@ class PostgresOffsets:
                     return failure
             result = pgconn.exec_(claim.tail(record.offset, encoding))
             if result.status == _COMMAND_OK:
-                self._committed += 1
+                self._count("committed")
                 return None
             failed = pgconn.transaction_status == _INERROR  # the mark failed, not the COMMIT
             error = self._error_of(conn, result)
@@ -805,13 +820,10 @@ class PostgresOffsets:
         finally:
             conns.put(conn)
 
-    def _set_up_sync(self, conn: psycopg.Connection[Any]) -> str:
-        pgconn = conn.pgconn
-        if self._given is not None:  # our own pool sets it when it connects
-            self._own(conn, pgconn.exec_(self._set_idle()))
-        self._own(conn, pgconn.prepare(self._mark_name, self._sql_mark))
-        encoding = self._ready[conn] = conn.info.encoding
-        return encoding
+    def _set_up_sync(self, conn: psycopg.Connection[Any]) -> tuple[str, bytes]:
+        self._own(conn, conn.pgconn.prepare(self._mark_name, self._sql_mark))
+        ready = self._ready[conn] = (conn.info.encoding, self._begin_for(conn))
+        return ready
 
     def _rollback_sync(self, conn: psycopg.Connection[Any]) -> None:
         if conn.closed or conn.broken:
@@ -839,7 +851,7 @@ class PostgresOffsets:
                         reconnect_timeout=max(self._timeout, 1.0),
                         open=True,
                     )
-                self._conns = _Connections(pool, self._timeout)
+                self._conns = _Connections(pool, self._timeout, self._given is None)
             return self._conns
 
     def _pool_kwargs(self) -> dict[str, Any]:
@@ -867,7 +879,7 @@ class PostgresOffsets:
         done = claim.done
         if done and record.offset in done:
             done.discard(record.offset)
-            self._skipped += 1
+            self._count("skipped")
             return
         failure = await self._attempts_async(record, claim, True)
         if failure is None:
@@ -877,7 +889,7 @@ class PostgresOffsets:
         if verdict is not None:
             raise Stopped(verdict)
         await self._attempts_async(record, claim, False)
-        self._marked_failed += 1
+        self._count("marked_failed")
 
     async def _attempts_async(self, record: Record, claim: Claim, run: bool) -> Exception | None:
         first_failure: float | None = None
@@ -900,15 +912,13 @@ class PostgresOffsets:
             raise _Retry(exc) from exc
         try:
             pgconn = conn.pgconn
-            encoding = self._ready.get(conn)
-            if encoding is None:
-                if self._given is not None:
-                    pgconn.send_query(self._set_idle())
-                    self._own(conn, (await conn.wait(execute(pgconn)))[-1])
+            ready = self._ready.get(conn)
+            if ready is None:
                 pgconn.send_prepare(self._mark_name, self._sql_mark)
                 self._own(conn, (await conn.wait(execute(pgconn)))[-1])
-                encoding = self._ready[conn] = conn.info.encoding
-            pgconn.send_query(b"BEGIN")
+                ready = self._ready[conn] = (conn.info.encoding, self._begin_for(conn))
+            encoding, begin = ready
+            pgconn.send_query(begin)
             self._own(conn, (await conn.wait(execute(pgconn)))[-1])
             if run:
                 try:
@@ -928,7 +938,7 @@ class PostgresOffsets:
             pgconn.send_query(claim.tail(record.offset, encoding))
             result = (await conn.wait(execute(pgconn)))[-1]
             if result.status == _COMMAND_OK:
-                self._committed += 1
+                self._count("committed")
                 return None
             failed = pgconn.transaction_status == _INERROR  # the mark failed, not the COMMIT
             error = self._error_of(conn, result)
@@ -976,8 +986,22 @@ class PostgresOffsets:
 
     # -- outcomes shared by both kinds -----------------------------------------------------
 
-    def _set_idle(self) -> bytes:
-        return f"SET idle_in_transaction_session_timeout = {self._idle_ms}".encode()
+    def _begin_for(self, conn: Any) -> bytes:
+        """The ``BEGIN`` of a record's transaction on ``conn``: with the connection's
+        transaction characteristics (as psycopg's own BEGIN), and, on a pool of the
+        application's (whose sessions the store must not change), the idle timeout as a
+        setting of the transaction itself (our own pool sets it for the session)."""
+        parts = ["BEGIN"]
+        if conn.isolation_level is not None:
+            parts.append(f"ISOLATION LEVEL {conn.isolation_level.name.replace('_', ' ')}")
+        if conn.read_only is not None:
+            parts.append("READ ONLY" if conn.read_only else "READ WRITE")
+        if conn.deferrable is not None:
+            parts.append("DEFERRABLE" if conn.deferrable else "NOT DEFERRABLE")
+        begin = " ".join(parts)
+        if self._given is not None:
+            begin += f"; SET LOCAL idle_in_transaction_session_timeout = {self._idle_ms}"
+        return begin.encode()
 
     def _own(self, conn: Any, result: Any) -> None:
         """Check the result of a store statement outside the mark (set-up, ``BEGIN``).
@@ -1057,7 +1081,7 @@ class PostgresOffsets:
         errors = self._psycopg.errors
         ours = getattr(getattr(error, "diag", None), "table_name", None) == self._relname
         if marking and ours and isinstance(error, errors.NotNullViolation):
-            self._fenced += 1
+            self._count("fenced")
             raise Dropped from error
         if marking and ours and isinstance(error, errors.UniqueViolation):
             # Marked already: an earlier attempt of this record committed, and the answer to
@@ -1102,7 +1126,7 @@ class PostgresOffsets:
                     f"{str(cause).strip()}"
                 )
             ) from cause
-        self._retried += 1
+        self._count("retried")
         return first
 
 

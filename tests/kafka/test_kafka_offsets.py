@@ -396,19 +396,36 @@ def test_async_handlers_run_in_the_transaction_on_the_loop(
 
 
 def test_a_pool_of_your_own(cluster: Cluster, effects: Effects) -> None:
+    """The store takes one connection per running handler from the application's pool, with
+    the pool's transaction settings, sets the idle timeout for its transactions only (the
+    application's sessions keep theirs), and leaves the pool open."""
     topic = cluster.topic(2)
     produced = cluster.produce(topic, keyed_items(200, 20))
     group = cluster.group()
-    with ConnectionPool(effects.url, min_size=1, max_size=4, open=True) as pool:
-        offsets = PostgresOffsets(pool, table=effects.offsets_table)
-        running = Running(_consumer(cluster, topic, group, effects.handler("w0"), offsets))
+    seen: set[tuple[str, str]] = set()
+
+    def hook(record: Record, tx: Any) -> None:
+        idle = tx.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0]
+        isolation = tx.execute("SHOW transaction_isolation").fetchone()[0]
+        seen.add((idle, isolation))
+
+    def configure(conn: psycopg.Connection[Any]) -> None:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+
+    with ConnectionPool(
+        effects.url, min_size=1, max_size=4, configure=configure, open=True
+    ) as pool:
+        offsets = PostgresOffsets(pool, table=effects.offsets_table, idle_in_transaction_timeout=7)
+        running = Running(_consumer(cluster, topic, group, effects.handler("w0", hook), offsets))
         wait_for(lambda: _applied(effects, produced), 60, "every record")
         assert running.stop() is None
         assert not pool.closed  # the application's pool stays open
+        assert pool.get_stats()["pool_available"] == pool.get_stats()["pool_size"]  # all back
         with pool.connection() as conn:
             setting = conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()
         assert setting is not None
-        assert setting[0] == "10s"
+        assert setting[0] == "0"  # the session's own setting, untouched
+    assert seen == {("7s", "repeatable read")}
     check_exactly_once(produced, effects.rows())
 
 
