@@ -102,6 +102,9 @@ if TYPE_CHECKING:
 __all__ = ["Claim", "Dropped", "OffsetStoreStats", "PostgresOffsets", "Stopped"]
 
 _SCHEMA_LOCK: Final = 0x72786B6F6666  # advisory lock key for table creation ("rxkoff")
+# Lock rows per partition that marks take their share lock on (offset modulo this), so that
+# concurrent marks of one partition seldom share one (see "Fencing" above).
+_STRIPES: Final = 16
 _OFFSET_STORED: Final = -1000  # librdkafka: start at the group's committed offset
 _BACKOFF: Final = 0.05  # seconds before the first retry of a record's transaction
 _MAX_BACKOFF: Final = 1.0
@@ -386,8 +389,8 @@ class PostgresOffsets:
         self._sql_mark = render(
             "INSERT INTO {t} (group_id, topic, partition_id, kafka_offset, epoch) "
             "VALUES ($1, $2, $3, $4, (SELECT h.epoch FROM {t} AS h WHERE h.group_id = $1 "
-            "AND h.topic = $2 AND h.partition_id = $3 AND h.kafka_offset = -1 "
-            "AND h.epoch = $5 FOR SHARE))"
+            "AND h.topic = $2 AND h.partition_id = $3 "
+            f"AND h.kafka_offset = -2 - ($4::bigint % {_STRIPES}) AND h.epoch = $5 FOR SHARE))"
         ).encode()
         self._mark_name = (
             b"rxk_" + hashlib.blake2b(self._sql_mark, digest_size=8).hexdigest().encode()
@@ -398,14 +401,22 @@ class PostgresOffsets:
         )
         self._sql_add_rows = render(
             parts_cte + "INSERT INTO {t} (group_id, topic, partition_id, kafka_offset, epoch) "
-            "SELECT %(group)s, x.topic, x.partition_id, -1, 0 FROM x ORDER BY 2, 3 "
+            "SELECT %(group)s, x.topic, x.partition_id, o, 0 "
+            f"FROM x, generate_series({-1 - _STRIPES}, -1) AS o ORDER BY 2, 3, 4 "
             "ON CONFLICT DO NOTHING"
         )
+        # The partition row first, then its stripes (whose UPDATE waits for every mark
+        # holding one): the order every claim takes them in.
         self._sql_bump = render(
-            parts_cte + "UPDATE {t} AS t SET epoch = t.epoch + 1 FROM x "
+            parts_cte + ", head AS (UPDATE {t} AS t SET epoch = t.epoch + 1 FROM x "
             "WHERE t.group_id = %(group)s AND t.topic = x.topic "
             "AND t.partition_id = x.partition_id AND t.kafka_offset = -1 "
-            "RETURNING t.topic, t.partition_id, t.epoch, t.done_below"
+            "RETURNING t.topic, t.partition_id, t.epoch, t.done_below), "
+            "stripes AS (UPDATE {t} AS t SET epoch = head.epoch FROM head "
+            "WHERE t.group_id = %(group)s AND t.topic = head.topic "
+            "AND t.partition_id = head.partition_id AND t.kafka_offset < -1 RETURNING 1) "
+            "SELECT topic, partition_id, epoch, done_below, (SELECT count(*) FROM stripes) "
+            "FROM head"
         )
         self._sql_done = render(
             parts_cte + "SELECT t.topic, t.partition_id, t.kafka_offset FROM {t} AS t JOIN x "
@@ -605,7 +616,7 @@ class PostgresOffsets:
                     done.setdefault((topic, partition), set()).add(int(offset))
                 claims: dict[tuple[str, int], Claim] = {}
                 folds: list[tuple[str, int, int, int]] = []
-                for topic, partition, epoch, prefix in rows:
+                for topic, partition, epoch, prefix, _ in rows:
                     marked = done.get((topic, partition), set())
                     if prefix is not None:
                         upto = int(prefix)

@@ -81,12 +81,22 @@ class Effects:
         return int(row[0]) if row else 0
 
     def stored(self) -> list[tuple[Any, ...]]:
-        """The offsets table's rows: (group, topic, partition, offset, epoch, done_below)."""
+        """The offsets table's partition rows (offset -1) and done rows (offsets >= 0):
+        (group, topic, partition, offset, epoch, done_below); not its lock rows (the stripes,
+        whose number is fixed per partition)."""
         with psycopg.connect(self.url, autocommit=True) as conn:
             return conn.execute(
                 f"SELECT group_id, topic, partition_id, kafka_offset, epoch, done_below "
-                f"FROM {self.offsets_table} ORDER BY 1, 2, 3, 4"
+                f"FROM {self.offsets_table} WHERE kafka_offset >= -1 ORDER BY 1, 2, 3, 4"
             ).fetchall()
+
+    def rows_per_partition(self) -> dict[int, int]:
+        """Every row the offsets table keeps per partition, lock rows included."""
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            found = conn.execute(
+                f"SELECT partition_id, count(*) FROM {self.offsets_table} GROUP BY 1"
+            ).fetchall()
+        return {int(p): int(n) for p, n in found}
 
     def drop(self) -> None:
         with (

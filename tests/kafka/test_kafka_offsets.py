@@ -88,6 +88,8 @@ def test_each_record_applied_once_in_key_order_and_the_table_folded(
         30,
         "the stored prefixes at the ends, done rows folded",
     )
+    # Bounded: the partition row, its 16 lock rows, no done row.
+    assert set(effects.rows_per_partition().values()) == {17}
     # Kafka stays informed: the committed offsets follow (behind the database).
     wait_for(lambda: cluster.committed(topic, group, 4) == produced.end, 30, "Kafka commits")
     assert running.stop() is None
@@ -276,7 +278,7 @@ def test_a_frozen_transaction_holds_a_claim_up_for_at_most_the_idle_timeout(
     cluster: Cluster, effects: Effects
 ) -> None:
     """A's handler updates an account row, takes the share lock a member frozen between its
-    mark and its COMMIT holds on the partition row, and stops answering (PostgreSQL sees a
+    mark and its COMMIT holds on a lock row of the partition, and stops answering (PostgreSQL sees a
     session idle in its transaction, as with a ``SIGSTOP``). A new owner's claim waits for that
     lock; the server ends A's session ``idle_in_transaction_timeout`` after its last statement,
     which releases the locks: the claim returns then, not later. A's record, tried again on a
@@ -294,7 +296,8 @@ def test_a_frozen_transaction_holds_a_claim_up_for_at_most_the_idle_timeout(
     def hook(record: Record, tx: Any) -> None:
         tx.execute(f"UPDATE {account} SET n = n + 1 WHERE id = 1")
         if not frozen_at:
-            tx.execute(f"SELECT 1 FROM {effects.offsets_table} WHERE kafka_offset = -1 FOR SHARE")
+            # A lock row of the partition: a frozen mark holds one.
+            tx.execute(f"SELECT 1 FROM {effects.offsets_table} WHERE kafka_offset = -2 FOR SHARE")
             frozen_at.append(time.monotonic())
             release.wait(60)
 
