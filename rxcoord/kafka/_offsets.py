@@ -7,7 +7,7 @@ same database transaction as the effects. That is what this store does, with the
 per-key parallelism kept and every assignment fenced.
 
 The table (created if missing; a role that may only use it needs SELECT, INSERT, UPDATE and
-DELETE on it, nothing else), one row per partition and one per offset done beyond its prefix::
+DELETE on it, nothing else)::
 
     group_id text, topic text, partition_id integer, kafka_offset bigint,  -- the primary key
     epoch bigint NOT NULL, done_below bigint
@@ -15,59 +15,67 @@ DELETE on it, nothing else), one row per partition and one per offset done beyon
 * the *partition row* (``kafka_offset = -1``): ``epoch``, the current assignment's fencing
   token, and ``done_below``, the end of the contiguous done prefix (every offset below it is
   done; NULL until the first fold);
+* 16 *lock rows* (``kafka_offset`` -2 to -17), each holding the same ``epoch``;
 * a *done row* per record committed beyond the prefix (``kafka_offset >= 0``; ``epoch`` says
   which assignment committed it).
 
 A record's transaction, on one pooled connection (``tx``)::
 
-    BEGIN
+    BEGIN                                              -- one round trip
     <the handler's statements>
-    INSERT INTO t (group_id, topic, partition_id, kafka_offset, epoch) VALUES (g, t, p, o,
-        (SELECT epoch FROM t WHERE <partition row of g, t, p> AND epoch = e FOR SHARE))
-    COMMIT
+    EXECUTE mark(g, t, p, o, e); COMMIT                -- one round trip
+
+where ``mark`` (prepared once per connection) is ``INSERT INTO t (group_id, topic,
+partition_id, kafka_offset, epoch) VALUES (g, t, p, o, (SELECT epoch FROM t WHERE <lock row
+-2 - o % 16 of g, t, p> AND epoch = e FOR SHARE))``.
 
 **Fencing.** An assignment *claims* its partitions: one transaction increments each partition
-row's ``epoch`` (an ``UPDATE``, which waits for every ``FOR SHARE`` holder) and then, in a
-later statement of that transaction, reads the prefix and the done rows. A record's mark reads
-its epoch ``FOR SHARE``: while the claim's ``UPDATE`` is pending it waits, and then re-reads
-the row (PostgreSQL's READ COMMITTED re-check; REPEATABLE READ and SERIALIZABLE fail with a
-serialization error instead, which is retried), finds a newer epoch, yields NULL and violates
-``epoch``'s NOT NULL: the mark fails, the whole transaction rolls back (the ``COMMIT`` sent
-behind it is never reached) and the record's result is dropped. So every transaction that
-marks a record either committed before the claim's read, and the new owner sees its mark, or
-rolls back; the new owner seeks to the prefix and skips the marked offsets, and so each
-record's effects commit exactly once, in per-key order (the consumer runs a key's records one
-at a time, and a member whose epoch moved on commits nothing more). The primary key adds a
-second line: a record marked twice violates it, which is also how a retry after a ``COMMIT``
-whose answer was lost learns that its first attempt did commit.
+row's ``epoch``, sets its lock rows to it (an ``UPDATE`` that waits for every ``FOR SHARE``
+holder), and then, in a later statement, reads the prefix and the done rows. A record's mark
+reads its epoch ``FOR SHARE`` from a lock row: while a claim's ``UPDATE`` is pending it waits,
+and then re-reads the row (PostgreSQL's READ COMMITTED re-check; REPEATABLE READ and
+SERIALIZABLE fail with a serialization error instead, which is retried), finds a newer epoch,
+yields NULL and violates ``epoch``'s NOT NULL: the mark fails, the whole transaction rolls back
+(the ``COMMIT`` behind it in the same query is never reached) and the record's result is
+dropped. So every transaction that marks a record either committed before the claim's read, and
+the new owner sees its mark, or rolls back; the new owner seeks to the prefix and skips the
+marked offsets, and so each record's effects commit exactly once, in per-key order (the
+consumer runs a key's records one at a time, and a member whose epoch moved on commits nothing
+more). The primary key adds a second line: a record marked twice violates it, which is also how
+a retry after a ``COMMIT`` whose answer was lost learns that its first attempt did commit.
+Why 16 lock rows and not the partition row: concurrent share locks on one row make PostgreSQL
+create a multixact (a shared lock holders' list) for each new locker; spread over 16 rows (by
+offset), concurrent marks of one partition seldom meet, and the folds, which update the
+partition row, never wait for marks.
 
 **A frozen member.** A member paused (``SIGSTOP``, a VM freeze) in the middle of a transaction
 holds that transaction's locks, and the server cannot tell it from a slow one. Every
-connection of the store runs with ``idle_in_transaction_session_timeout``
+transaction of the store runs with ``idle_in_transaction_session_timeout``
 (``idle_in_transaction_timeout``, default 10 s): once the frozen member's current statement
 ended, the server ends its session after that long, which rolls the transaction back and
-releases its row locks and its ``FOR SHARE`` on a partition row. So a frozen member holds up
-the claim of its partitions, and the new owner's statements that wait for rows it locked, for
-at most ``idle_in_transaction_timeout`` past its last statement's end; the claim waits no
-longer than that plus ``timeout`` (its ``lock_timeout``) before it tries again. The same
-timeout is the longest a handler may pause between its statements. A killed member's
-connections close with it, so its transactions roll back at once.
+releases its row locks, a lock row's share lock included. So a frozen member holds up the claim
+of its partitions, and the new owner's statements that wait for rows it locked, for at most
+``idle_in_transaction_timeout`` past its last statement's end; the claim waits no longer than
+that plus ``timeout`` (its ``lock_timeout``) before it tries again. The same timeout is the
+longest a handler may pause between its statements. A killed member's connections close with
+it, so its transactions roll back at once.
 
 **Bounded storage.** Each fold (periodically, on revoke, and in every claim) moves
 ``done_below`` to the consumer's contiguous done prefix and deletes the done rows below it, in
-one statement fenced by the epoch. A partition keeps its row plus the done rows of records in
-flight or committed since the last fold.
+one statement fenced by the epoch. A partition keeps its 17 rows plus the done rows of records
+in flight or committed since the last fold.
 
 **Kafka.** The consumer still commits its prefix to Kafka, after the records' transactions
 committed, so lag tools keep working; correctness rests on the table alone. A partition the
 table has no prefix for yet starts where Kafka's committed offset (or ``auto.offset.reset``)
 says, and skips what its done rows already hold.
 
-**Costs.** Per record: the handler's statements plus ``BEGIN`` (one round trip), the mark (a
-prepared statement) and ``COMMIT``: four statements where an autocommitted handler sends one.
-The store's own statements go through libpq's calls (``psycopg.pq``), not psycopg's cursors,
-and idle connections wait in a deque in front of the pool: psycopg's cursor and pool layers
-cost more client time than the statements themselves (``benchmarks/bench_kafka_offsets.py``).
+**Costs.** Per record: the handler's statements plus two round trips of the store's (``BEGIN``;
+the mark and the ``COMMIT`` in one query), where an autocommitted handler needs none. The
+store's own statements go through libpq's calls (``psycopg.pq``), not psycopg's cursors, and
+idle connections of its own pool wait in a deque in front of the pool: psycopg's cursor and
+pool layers cost more client time than the statements themselves
+(``benchmarks/bench_kafka_offsets.py``).
 """
 
 from __future__ import annotations
