@@ -1,14 +1,14 @@
 """Benchmark ``TenantTaskCoordinator`` against the executors a Python engineer would otherwise use.
 
-Three workloads, each run several times with contenders alternating, medians and ratios printed:
+Two workloads, each run several times with contenders alternating, medians and ratios printed
+(the asyncio workloads live in ``bench_asyncio.py``):
 
-1. trivial sync jobs/s through ``execute(...)`` vs ``ThreadPoolExecutor.submit``, same workers;
-2. trivial async jobs/s through ``await``-ed ``execute(...)`` vs an ``asyncio.Semaphore``-gated
-   ``gather`` with the same limit;
-3. the makespan of 2,000 jobs that each sleep 10 ms with ``max_concurrency=32``, as a ratio to
+1. trivial sync jobs/s through ``execute(...)`` on the coordinator's own 4 workers vs
+   ``ThreadPoolExecutor(4).submit`` (goal >= 1.0x);
+2. the makespan of 2,000 jobs that each sleep 10 ms with ``max_concurrency=32``, as a ratio to
    the ideal (total work / 32).
 
-``--against DIR`` also runs workloads 1 and 2 against rxcoord from another source tree, as
+``--against DIR`` also runs workload 1 against rxcoord from another source tree, as
 ``bench_asyncio.py --against`` does (fresh processes alternating; medians and new/old).
 
 Usage::
@@ -20,7 +20,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import threading
 import time
@@ -32,10 +31,6 @@ from rxcoord import TenantTaskCoordinator
 
 
 def trivial() -> int:
-    return 1
-
-
-async def trivial_async() -> int:
     return 1
 
 
@@ -73,32 +68,6 @@ def executor_sync(jobs: int, workers: int) -> float:
         return jobs / (time.perf_counter() - start)
 
 
-def rxcoord_async(jobs: int, workers: int) -> float:
-    async def main() -> float:
-        with TenantTaskCoordinator(max_concurrency=workers, max_queue_size=jobs) as coordinator:
-            start = time.perf_counter()
-            # one Observable per job: gather() would run the same awaitable only once
-            await asyncio.gather(*(coordinator.execute(trivial_async) for _ in range(jobs)))
-            return jobs / (time.perf_counter() - start)
-
-    return asyncio.run(main())
-
-
-def semaphore_async(jobs: int, workers: int) -> float:
-    async def main() -> float:
-        semaphore = asyncio.Semaphore(workers)
-
-        async def gated() -> int:
-            async with semaphore:
-                return await trivial_async()
-
-        start = time.perf_counter()
-        await asyncio.gather(*(gated() for _ in range(jobs)))
-        return jobs / (time.perf_counter() - start)
-
-    return asyncio.run(main())
-
-
 def makespan(jobs: int, concurrency: int, duration: float) -> float:
     """Seconds to run ``jobs`` sleeping jobs, divided by the ideal ``jobs * duration / cap``."""
     elapsed = run_all(lambda: time.sleep(duration), jobs, concurrency)
@@ -123,13 +92,6 @@ def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str,
         },
         repeat,
     )
-    asynchronous = medians(
-        {
-            "ours": lambda: rxcoord_async(jobs, workers),
-            "gather": lambda: semaphore_async(jobs, workers),
-        },
-        repeat,
-    )
     count = 500 if quick else 2000
     span = statistics.median(makespan(count, 32, 0.010) for _ in range(repeat))
     return [
@@ -140,14 +102,6 @@ def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str,
             f"{sync['pool']:,.0f} jobs/s",
             f"{sync['ours'] / sync['pool']:.2f}x",
             ">= 1.0x",
-        ),
-        (
-            f"coordinator, trivial async jobs (limit {workers})",
-            f"{asynchronous['ours']:,.0f} jobs/s",
-            "Semaphore-gated gather",
-            f"{asynchronous['gather']:,.0f} jobs/s",
-            f"{asynchronous['ours'] / asynchronous['gather']:.2f}x",
-            "",
         ),
         (
             f"coordinator, makespan {count:,} x 10 ms, cap 32",
@@ -186,19 +140,6 @@ def main() -> None:
     for name, value in sync.items():
         print(f"{name:<22} {value:>10,.0f} {value / sync['ThreadPoolExecutor']:>6.2f}x")
 
-    asynchronous = medians(
-        {
-            "execute (async)": lambda: rxcoord_async(jobs, workers),
-            "Semaphore + gather": lambda: semaphore_async(jobs, workers),
-        },
-        args.repeat,
-    )
-    print(f"\ntrivial async jobs, {jobs:,} per run, limit {workers}, median of {args.repeat}")
-    print(f"{'contender':<22} {'jobs/s':>10} {'ratio':>7}")
-    for name, value in asynchronous.items():
-        ratio = value / asynchronous["Semaphore + gather"]
-        print(f"{name:<22} {value:>10,.0f} {ratio:>6.2f}x")
-
     count = 500 if args.quick else 2000
     ratios = [makespan(count, 32, 0.010) for _ in range(args.repeat)]
     print(f"\nmakespan of {count:,} jobs x 10 ms, max_concurrency=32, median of {args.repeat}")
@@ -212,11 +153,6 @@ def main() -> None:
             "bench_coordinator",
             f"rxcoord_sync({{n}}, {workers})",
             f"executor_sync({{n}}, {workers})",
-        )
-        PAIRS["async"] = (
-            "bench_coordinator",
-            f"rxcoord_async({{n}}, {workers})",
-            f"semaphore_async({{n}}, {workers})",
         )
         print_against(against(args.against, list(PAIRS), jobs, args.repeat), args.against)
 

@@ -32,6 +32,8 @@ import uuid
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
+from rxcoord._cli.bench import left_out, missing
+
 PROCESSES = 4
 LIMIT = 8
 THREADS = 4  # per process, for the hand-written semaphore (16 threads for 8 permits)
@@ -187,6 +189,9 @@ def bench_rows(
 ) -> list[tuple[str, str, str, str, str, str]]:
     """Rows for ``rxcoord bench``; without a reachable Redis, none (with a note)."""
     notes = notes if notes is not None else []
+    if missing("redis"):
+        notes.append(left_out("fleet rows", "redis"))
+        return []
     problem = reachable_redis(redis_url) if redis_url else "no --redis-url"
     if problem or not redis_url:
         notes.append(f"fleet rows left out: {redis_url or 'no URL'} is unreachable ({problem})")

@@ -196,7 +196,7 @@ def run_textbook(bootstrap: str, url: str, topic: str, records: int) -> float:
         consumer = Consumer(conf)
 
         def on_assign(c: Consumer, partitions: list[TopicPartition]) -> None:
-            stored = dict(
+            stored: dict[int, int] = dict(
                 conn.execute(
                     f"SELECT part, next_offset FROM {positions} WHERE group_id = %s AND topic = %s",
                     (group, topic),
@@ -223,6 +223,8 @@ def run_textbook(bootstrap: str, url: str, topic: str, records: int) -> float:
                 if handled == 0:
                     first = time.perf_counter()
                 partition, offset = msg.partition(), msg.offset()
+                assert partition is not None
+                assert offset is not None
                 conn.execute(insert, (msg.key(), msg.value(), partition, offset), prepare=True)
                 conn.execute(upsert, (group, topic, partition, offset + 1), prepare=True)
                 conn.commit()

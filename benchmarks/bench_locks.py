@@ -37,6 +37,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
 from rxcoord import KeyedLocks
@@ -216,8 +217,11 @@ def memory_child(name: str, distinct: int, at_once: int) -> dict[str, int]:
 
 
 def memory(name: str, distinct: int, at_once: int) -> dict[str, int]:
+    # The child imports this file from its own directory (benchmarks/ in a checkout,
+    # rxcoord/_benchmarks/ in a wheel), whatever the working directory is.
+    here = str(Path(__file__).resolve().parent)
     code = (
-        "import json, sys; sys.path.insert(0, 'benchmarks'); import bench_locks as b; "
+        f"import json, sys; sys.path.insert(0, {here!r}); import bench_locks as b; "
         f"print(json.dumps(b.memory_child({name!r}, {distinct}, {at_once})))"
     )
     out = subprocess.run(

@@ -5,9 +5,11 @@ Layers, each built on the ones before it:
 1. :func:`serialize_by_key` - per-key ordered processing, keys in parallel, no per-key leak.
 2. :class:`TenantTaskCoordinator` - a concurrency limit, a bounded queue (``TooManyTasks``),
    per-key ordering, cancellation and timeouts for sync and async jobs; two seams: an
-   :class:`Admission` asked before each job runs, a :class:`KeyGuard` for keyed jobs.
+   :class:`Admission` asked before each job runs, a :class:`KeyGuard` for keyed jobs. Its
+   meaning is :class:`ReactorCoordinator`, the Reactor composition in plain Rx operators.
 3. :class:`TenantScheduler` - many tenants, one global limit, fair shares, idle tenants evicted;
-   with ``fleet=provider`` the limits and shares hold across processes (:class:`FleetAdmission`).
+   with ``fleet=provider`` the limits and shares hold across processes (:class:`FleetAdmission`);
+   :class:`Rate` bounds how often jobs start (all tenants, each tenant, the whole fleet).
 4. :class:`KeyedLocks` - ownerless per-entity leases, bulk and global, FIFO, no polling, no leaks.
 5. :mod:`rxcoord.leases` - distributed leases on SQLite, PostgreSQL and Redis, fencing tokens.
 
@@ -17,9 +19,10 @@ rxcoord logs with loguru and, as a library, is silent until you call
 
 from loguru import logger as _logger
 
-from ._admission import Admission, AdmissionTicket
-from ._coordinator import CoordinatorStats, TenantTaskCoordinator
+from ._admission import Admission, AdmissionTicket, Permit
+from ._coordinator import CoordinatorStats, Execution, ReactorCoordinator, TenantTaskCoordinator
 from ._core.lifecycle import CoordinatorState
+from ._core.retry import Retry
 from ._errors import (
     CoordinatorClosed,
     LeaseError,
@@ -37,6 +40,7 @@ from ._errors import (
 from ._fleet import FleetAdmission, FleetPermit, FleetStats, current_permit
 from ._key_guard import KeyGuard, LeaseKeyGuard
 from ._locks import KeyedLocks, KeyedLocksStats, Lease
+from ._rate import Rate, RateStats
 from ._tenant_scheduler import SchedulerStats, TenantScheduler
 from .operators import serialize_by_key
 
@@ -48,6 +52,7 @@ __all__ = [
     "CoordinatorClosed",
     "CoordinatorState",
     "CoordinatorStats",
+    "Execution",
     "FleetAdmission",
     "FleetPermit",
     "FleetStats",
@@ -64,6 +69,11 @@ __all__ = [
     "LeaseStoreMisconfigured",
     "LeaseStoreUnavailable",
     "LockTimeout",
+    "Permit",
+    "Rate",
+    "RateStats",
+    "ReactorCoordinator",
+    "Retry",
     "RxcoordError",
     "SchedulerStats",
     "StaleToken",

@@ -20,10 +20,17 @@ using the same store and name shares the limits. What each piece is for:
   (stride scheduling with its virtual time kept in the store, see ``_permits.py``): a process
   waiting for a tenant registers its *demand* there, and a permit stays reserved for the
   waiting tenant furthest behind whichever process asks first.
+* **Rates in the same step.** With ``rate=`` (the group's) and a lane's ``rate=`` (its
+  tenant's), the store's step grants a permit only if both rates have a token, takes them at
+  its own clock in the same atomic step, and says when they will have the next one. A lane
+  told to wait for its rate makes no round trip before that time (the store's answer cannot
+  change earlier: tokens only come back with time), and holds nothing meanwhile; its demand
+  is still refreshed so that, once its time comes, the fair-share rule reserves for it.
 * **No polling.** Waiters are woken by the store's notification on release (Redis pub/sub,
-  PostgreSQL LISTEN/NOTIFY, the memory store directly) and at the expiry times the store
-  reports; SQLite polls with backoff. Waiting demand is refreshed while it waits, so a crashed
-  waiter's demand stops counting after ``demand_for``.
+  PostgreSQL LISTEN/NOTIFY, the memory store directly), at the expiry times and the rates'
+  next-token times the store reports; SQLite polls with backoff for releases. Waiting demand
+  is refreshed while it waits, so a crashed waiter's demand stops counting after
+  ``demand_for``.
 * **Few round trips.** All tickets waiting for one tenant in this process are asked for in one
   step, and releases queued while one is in flight go out together: an uncontended job costs
   one round trip to admit and one to release, a busy process fewer.
@@ -37,23 +44,25 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from loguru import logger
 
-from ._admission import Admission, AdmissionTicket
+from ._admission import Admission, AdmissionTicket, Permit
+from ._core import telemetry
 from ._core.checks import check_count, check_length, check_weight
 from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
 from ._errors import LeaseLost, LeaseStoreMisconfigured, LeaseStoreUnavailable
+from ._rate import Rate, RateStats, check_rate
 
 if TYPE_CHECKING:
     from .leases import LeaseProvider
-    from .leases._permits import PermitReply
+    from .leases._permits import PermitReply, RateArgs
 
 __all__ = ["FleetAdmission", "FleetPermit", "FleetStats", "current_permit"]
 
@@ -78,20 +87,24 @@ def current_permit() -> FleetPermit | None:
     return _current.get()
 
 
-class FleetPermit:
+class FleetPermit(Permit):
     """One fleet permit held by one job: a fencing token and an expiry.
 
     Attributes:
         token: The fencing token, from the store-wide sequence: larger than the token of every
             permit (and lease) granted earlier in the store.
         tenant: The tenant the permit counts against.
+        granted_at: When the store granted it, in seconds on the store's clock (Redis
+            ``TIME``, PostgreSQL ``clock_timestamp()``, SQLite and memory: the machine's):
+            the start the fleet's rates counted.
     """
 
-    __slots__ = ("_deadline", "lost", "tenant", "token")
+    __slots__ = ("_deadline", "granted_at", "lost", "tenant", "token")
 
-    def __init__(self, token: int, tenant: str, deadline: float) -> None:
+    def __init__(self, token: int, tenant: str, deadline: float, granted_at: float = 0.0) -> None:
         self.token = token
         self.tenant = tenant
+        self.granted_at = granted_at
         self._deadline = deadline  # monotonic: never later than the store's expiry
         self.lost = False  # the store said it was no longer held
 
@@ -108,6 +121,13 @@ class FleetPermit:
                 "reclaimed before its job ended (a paused or partitioned process, or a "
                 "keep-alive that failed): the job's work may overlap another holder's"
             )
+
+    def enter(self) -> object:
+        """Make this the permit :func:`current_permit` returns (in the job's context)."""
+        return _current.set(self)
+
+    def exit(self, token: object) -> None:
+        _current.reset(token)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return f"<FleetPermit token={self.token} tenant={self.tenant!r} valid={self.valid}>"
@@ -130,6 +150,11 @@ class FleetStats:
         lost: Permits found expired or reclaimed before their job ended.
         round_trips: Store round trips so far (admit, release, renew, withdraw).
         store_errors: Round trips that failed with a store error.
+        rate_waits: Jobs of this process the fleet's rates (the group's or their tenant's)
+            held back before they started.
+        rate_waited: Seconds those jobs waited from then until their grant, in total.
+        rate_limited: Per tenant of this process waiting for a rate now, the seconds until
+            the store said it may start again (as last seen).
     """
 
     name: str
@@ -143,6 +168,9 @@ class FleetStats:
     lost: int = 0
     round_trips: int = 0
     store_errors: int = 0
+    rate_waits: int = 0
+    rate_waited: float = 0.0
+    rate_limited: Mapping[str, float] = field(default_factory=dict)
 
 
 class _Lane:
@@ -151,6 +179,10 @@ class _Lane:
     __slots__ = (
         "busy",
         "dirty",
+        "held",
+        "rate",
+        "ready_at",
+        "refresh",
         "registered",
         "tenant",
         "tenant_limit",
@@ -158,14 +190,20 @@ class _Lane:
         "weight",
     )
 
-    def __init__(self, tenant: str, weight: float, tenant_limit: int) -> None:
+    def __init__(
+        self, tenant: str, weight: float, tenant_limit: int, rate: RateArgs | None
+    ) -> None:
         self.tenant = tenant
         self.weight = weight
         self.tenant_limit = tenant_limit
+        self.rate = rate  # the tenant's own rate, as the store takes it
         self.waiting: deque[AdmissionTicket] = deque()
         self.busy = False  # a store step for this lane is in flight (on a worker)
         self.dirty = False  # something changed meanwhile: step again when it returns
         self.registered = False  # the store holds demand of ours for this tenant
+        self.ready_at = 0.0  # monotonic: the store said the rates allow nothing before then
+        self.refresh = False  # step even before ready_at: the demand must be refreshed
+        self.held: dict[AdmissionTicket, float] = {}  # held back by a rate since (monotonic)
 
 
 class FleetAdmission:
@@ -181,9 +219,12 @@ class FleetAdmission:
         demand_for: Seconds a waiting process's demand outlives its last refresh (how long a
             crashed waiter can keep a freed permit reserved); default ``min(3,
             permit_at_most_for)``.
+        rate: A :class:`~rxcoord.Rate` on the starts of the whole group (every member, every
+            tenant), kept in the store on its clock. Every member must use the same.
 
     Raises:
-        TypeError: ``provider`` is not a lease provider, or keeps no fleet permits.
+        TypeError: ``provider`` is not a lease provider, or keeps no fleet permits, or
+            ``rate`` is not a Rate.
         ValueError: An empty ``name``, a limit < 1, or a duration <= 0.
     """
 
@@ -195,8 +236,10 @@ class FleetAdmission:
         *,
         permit_at_most_for: float = 30.0,
         demand_for: float | None = None,
+        rate: Rate | None = None,
     ) -> None:
         from .leases import LeaseProvider
+        from .leases._permits import rate_args
 
         if not isinstance(provider, LeaseProvider):
             raise TypeError(
@@ -217,9 +260,18 @@ class FleetAdmission:
         self._demand_for = (
             min(3.0, self._most) if demand_for is None else check_length(demand_for, "demand_for")
         )
+        self._rate = rate_args(check_rate(rate))
+        self._group_ready_at = 0.0  # monotonic: the group's rate allows nobody before then
+        self._rate_waits = 0
+        self._rate_waited = 0.0
         self._lock = threading.Lock()
         self._closed = False
-        self._lanes: dict[str, _Lane] = {}  # lanes with tickets, demand or a step in flight
+        self._lanes: dict[str, _Lane] = {}
+        # rxcoord.fleet.permit.wait: when each waiting ticket asked (only while metrics are on).
+        self._permit_tel = telemetry.fleet(name)
+        self._begun: dict[
+            AdmissionTicket, float
+        ] = {}  # lanes with tickets, demand or a step in flight
         self._held: dict[int, FleetPermit] = {}
         self._releases: list[FleetPermit] = []
         self._releasing = False
@@ -256,22 +308,43 @@ class FleetAdmission:
         return self._limit
 
     def lane(
-        self, tenant: str, *, weight: float = 1.0, tenant_limit: int | None = None
+        self,
+        tenant: str,
+        *,
+        weight: float = 1.0,
+        tenant_limit: int | None = None,
+        rate: Rate | None = None,
     ) -> Admission:
-        """The :class:`Admission` of one tenant (its jobs count against ``tenant_limit``).
+        """The :class:`Admission` of one tenant (its jobs count against ``tenant_limit``, and
+        start within ``rate``, the tenant's own :class:`~rxcoord.Rate`).
 
-        Lanes of the same tenant (in any process) share its limit and its fair share.
+        Lanes of the same tenant (in any process) share its limit, its fair share and its
+        rate's state (every member must give it the same rate).
         """
+        from .leases._permits import rate_args
+
         if not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str, not {tenant!r}")
         limit = self._limit
         if tenant_limit is not None:
             limit = check_count(tenant_limit, "tenant_limit", 1)
-        return _LaneAdmission(self, tenant, check_weight(weight, "weight"), min(limit, self._limit))
+        return _LaneAdmission(
+            self,
+            tenant,
+            check_weight(weight, "weight"),
+            min(limit, self._limit),
+            rate_args(check_rate(rate)),
+        )
 
     def stats(self) -> FleetStats:
         """A snapshot (fleet-wide counts as last seen from the store)."""
         with self._lock:
+            now = monotonic()
+            limited = {
+                lane.tenant: at - now
+                for lane in self._lanes.values()
+                if lane.waiting and (at := max(lane.ready_at, self._group_ready_at)) > now
+            }
             return FleetStats(
                 self._name,
                 self._provider.backend,
@@ -284,7 +357,23 @@ class FleetAdmission:
                 self._lost,
                 self._round_trips,
                 self._store_errors,
+                self._rate_waits,
+                self._rate_waited,
+                limited,
             )
+
+    def rate_stats(self, tenant: str | None = None) -> RateStats:
+        """Waits for the rates: this process's, or (``tenant``) one tenant's jobs waiting now.
+
+        The counts of past waits are per process (``stats()``); per tenant only what waits now
+        is known here (``waits`` and ``waited`` are 0).
+        """
+        with self._lock:
+            if tenant is None:
+                waiting = sum(len(lane.held) for lane in self._lanes.values())
+                return RateStats(self._rate_waits, self._rate_waited, waiting)
+            lane = self._lanes.get(tenant)
+            return RateStats(0, 0.0, 0 if lane is None else len(lane.held))
 
     def close(self) -> None:
         """Stop: withdraw this process's demand, release what is queued for release, stop the
@@ -313,13 +402,18 @@ class FleetAdmission:
 
     # -- admission (through _LaneAdmission) -----------------------------------------------------
 
-    def _request(self, key: tuple[str, float, int], ticket: AdmissionTicket) -> None:
-        tenant, weight, tenant_limit = key
+    def _request(
+        self, key: tuple[str, float, int, RateArgs | None], ticket: AdmissionTicket
+    ) -> None:
+        tenant, weight, tenant_limit, rate = key
         with self._lock:
             lane = self._lanes.get(tenant)
             if lane is None:
-                lane = self._lanes[tenant] = _Lane(tenant, weight, tenant_limit)
+                lane = self._lanes[tenant] = _Lane(tenant, weight, tenant_limit, rate)
             lane.waiting.append(ticket)
+            begun = self._permit_tel.begin()  # (0.0 while no metrics are recorded)
+            if begun:
+                self._begun[ticket] = begun
             start = self._kick(lane)
         if start:
             self._workers.submit(lambda: self._step(lane))
@@ -333,9 +427,12 @@ class FleetAdmission:
                 lane.waiting.remove(ticket)
             except ValueError:
                 return False
+            lane.held.pop(ticket, None)
+            begun = self._begun.pop(ticket, 0.0) if self._begun else 0.0
             # The last ticket left: take our demand back from the store, or a freed permit
             # would stay reserved for a tenant nobody here waits for any more.
             start = not lane.waiting and self._kick(lane)
+        self._permit_tel.waited(begun, "cancelled")
         if start:
             self._workers.submit(lambda: self._step(lane))
         return True
@@ -381,6 +478,15 @@ class FleetAdmission:
                     if not lane.waiting:
                         self._forget(lane)
                     return full
+                ready_at = max(lane.ready_at, self._group_ready_at)
+                if want and lane.registered and not lane.refresh and ready_at > monotonic():
+                    # The store said the rates allow this tenant nothing before then: asking
+                    # earlier could only be refused. (The one wake-up timer may be set for
+                    # another lane's earlier time: make sure it comes back for this one.)
+                    self._arm_wake(None, ready_at)
+                    lane.busy = False
+                    return full
+                lane.refresh = False
                 self._round_trips += 1
             sent = monotonic()
             try:
@@ -388,6 +494,7 @@ class FleetAdmission:
             except (LeaseStoreUnavailable, LeaseStoreMisconfigured) as exc:
                 self._refuse(lane, exc)
                 continue
+            received = monotonic()
             deadline = sent + self._most
             full = reply.running >= self._limit
             grants: list[tuple[AdmissionTicket, FleetPermit]] = []
@@ -397,23 +504,43 @@ class FleetAdmission:
                 self._seen_tenants[lane.tenant] = reply.tenant_running
                 lane.registered = len(reply.tokens) < want or more
                 for token in reply.tokens:
-                    permit = FleetPermit(token, lane.tenant, deadline)
+                    permit = FleetPermit(token, lane.tenant, deadline, reply.at)
                     if lane.waiting:
-                        grants.append((lane.waiting.popleft(), permit))
+                        ticket = lane.waiting.popleft()
+                        grants.append((ticket, permit))
                         self._held[token] = permit
+                        since = lane.held.pop(ticket, None)
+                        if since is not None:
+                            self._rate_waits += 1
+                            self._rate_waited += received - since
                     else:
                         spare.append(permit)  # its ticket was withdrawn meanwhile
                 self._granted += len(grants)
                 if grants and self._renew_timer is None and not self._closed:
                     self._renew_timer = call_later(self._most / 3, self._renew_soon)
                 waiting = bool(lane.waiting)
-                if waiting and not reply.tokens:
-                    self._arm_wake(reply.wake_in)
+                rate_at = None
+                if waiting and len(reply.tokens) < want and reply.rate_wait > 0:
+                    # Held back by a rate until then (by the store's clock: counted from the
+                    # reply, which left the store after its step): no round trip before it.
+                    rate_at = lane.ready_at = received + reply.rate_wait
+                    if reply.group_rate_wait > 0:
+                        self._group_ready_at = max(
+                            self._group_ready_at, received + reply.group_rate_wait
+                        )
+                    for held in lane.waiting:
+                        lane.held.setdefault(held, received)
+                if waiting and (rate_at is not None or not reply.tokens):
+                    self._arm_wake(reply.wake_in, rate_at)
                 if grants:
                     self._poll = _POLL_FIRST
             for permit in spare:
                 self._release(permit)
             for ticket, permit in grants:
+                if self._begun:
+                    with self._lock:
+                        begun = self._begun.pop(ticket, 0.0)
+                    self._permit_tel.waited(begun, "acquired")
                 ticket.grant(permit)  # a job that left gives it back through _release
             with self._lock:
                 if lane.dirty or (waiting and reply.tokens and not self._closed):
@@ -440,6 +567,8 @@ class FleetAdmission:
             self._most,
             self._demand_for,
             more,
+            rate=self._rate,
+            tenant_rate=lane.rate,
         )
 
     def _refuse(self, lane: _Lane, error: BaseException) -> None:
@@ -448,7 +577,11 @@ class FleetAdmission:
             self._store_errors += 1
             tickets = list(lane.waiting)
             lane.waiting.clear()
+            lane.held.clear()
             lane.registered = False  # whatever we registered expires with demand_for
+            begun = [self._begun.pop(t, 0.0) for t in tickets] if self._begun else []
+        for stamp in begun:
+            self._permit_tel.waited(stamp, "failed")
         for ticket in tickets:
             ticket.refuse(error)
 
@@ -523,16 +656,20 @@ class FleetAdmission:
                 if self._step(lane):
                     break
 
-    def _arm_wake(self, wake_in: float | None) -> None:
-        """Lock held: wake at the reported expiry, poll while notifications are not certain,
-        and keep our demand alive while we wait."""
+    def _arm_wake(self, wake_in: float | None, rate_at: float | None = None) -> None:
+        """Lock held: wake at the reported expiry (or at ``rate_at``, when the rates allow the
+        next start), poll while notifications are not certain, and keep our demand alive while
+        we wait."""
         if self._closed:
             return
+        now = monotonic()
         delay = float("inf") if wake_in is None else wake_in + _WAKE_MARGIN
+        if rate_at is not None:
+            delay = min(delay, max(0.0, rate_at - now))
         if not self._watch.confirmed:
             delay = min(delay, self._poll)
             self._poll = min(_POLL_MAX, self._poll * 2)
-        at = monotonic() + delay
+        at = now + delay
         if delay != float("inf") and at < self._wake_at:
             if self._wake_timer is not None:
                 self._wake_timer.cancel()
@@ -550,7 +687,11 @@ class FleetAdmission:
     def _refresh(self) -> None:
         with self._lock:
             self._refresh_timer = None
-            again = not self._closed and any(lane.waiting for lane in self._lanes.values())
+            again = False
+            if not self._closed:
+                for lane in self._lanes.values():
+                    if lane.waiting:
+                        lane.refresh = again = True  # even a lane waiting for its rate
             if again:
                 self._refresh_timer = call_later(self._demand_for / 3, self._refresh)
         if again:
@@ -615,9 +756,16 @@ class _LaneAdmission:
 
     __slots__ = ("_fleet", "_key")
 
-    def __init__(self, fleet: FleetAdmission, tenant: str, weight: float, limit: int) -> None:
+    def __init__(
+        self,
+        fleet: FleetAdmission,
+        tenant: str,
+        weight: float,
+        limit: int,
+        rate: RateArgs | None,
+    ) -> None:
         self._fleet = fleet
-        self._key = (tenant, weight, limit)
+        self._key = (tenant, weight, limit, rate)
 
     def request(self, ticket: AdmissionTicket) -> None:
         self._fleet._request(self._key, ticket)
@@ -632,25 +780,6 @@ class _LaneAdmission:
     def fleet(self) -> FleetAdmission:
         return self._fleet
 
-
-def with_permit(job: Callable[[], Any], permit: FleetPermit, is_async: bool) -> Callable[[], Any]:
-    """``job`` run with :func:`current_permit` returning ``permit``."""
-    if is_async:
-
-        async def run_async() -> Any:
-            reset = _current.set(permit)
-            try:
-                return await job()
-            finally:
-                _current.reset(reset)
-
-        return run_async
-
-    def run() -> Any:
-        reset = _current.set(permit)
-        try:
-            return job()
-        finally:
-            _current.reset(reset)
-
-    return run
+    def stats(self) -> RateStats:
+        """This tenant's jobs waiting for a rate now (see :meth:`FleetAdmission.rate_stats`)."""
+        return self._fleet.rate_stats(self._key[0])

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._core.checks import check_length
+from ._core.checks import check_length, check_name
 
 if TYPE_CHECKING:
     from .leases import DistributedLease, LeaseProvider
@@ -49,9 +49,18 @@ class LeaseKeyGuard:
     Exiting releases the lease, raising :class:`~rxcoord.LeaseLost` if it expired meanwhile
     (the job's work may have overlapped another holder's).
 
+    Args:
+        provider: The lease provider (``rxcoord.leases``).
+        prefix: The first part of every lease name: the coordinator's ``name``. It must not
+            be empty: every coordinator without a name would take the same lease names
+            (``":<key>"``) on a shared store, excluding each other's keys by accident.
+        at_most_for: ``at_most_for`` of each lease, in seconds (kept alive while the job runs).
+
     Raises:
-        TypeError: ``provider`` is not a lease provider, or ``at_most_for`` not a number.
-        ValueError: ``at_most_for`` is not a finite number > 0.
+        TypeError: ``provider`` is not a lease provider, ``prefix`` not a str, or
+            ``at_most_for`` not a number.
+        ValueError: ``prefix`` is empty (the message says to pass ``name=`` to the
+            coordinator), or ``at_most_for`` is not a finite number > 0.
     """
 
     __slots__ = ("_at_most_for", "_prefix", "_provider")
@@ -63,6 +72,14 @@ class LeaseKeyGuard:
             raise TypeError(
                 f"leases must be a lease provider such as rxcoord.leases.SqliteLeases(...) "
                 f"or leases_from_url(url), not {provider!r}"
+            )
+        if not check_name(prefix, "name"):
+            # Checked here, where lease names are made, so every way to a LeaseKeyGuard
+            # (leases=, or one built by hand) is refused alike, as fleet= refuses no name.
+            raise ValueError(
+                "leases= needs a name: pass name='orders' (a non-empty str) to the "
+                "coordinator, whose keyed jobs then hold leases named 'orders:<key>'; without "
+                "one, every unnamed coordinator on the store would share the names ':<key>'"
             )
         self._provider = provider
         self._prefix = prefix

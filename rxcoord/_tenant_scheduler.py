@@ -11,6 +11,11 @@ are built with three seams, all public or plainly internal:
 * ``scheduler=`` the scheduler's worker pool, shared by all tenants;
 * ``on_idle=`` the scheduler's eviction check.
 
+Rates (``rate=`` for all tenants, ``tenant_rate=`` per tenant) are inside the same gate (or,
+with ``fleet=``, the same store step): a job over a rate waits as a ticket, holding no global
+slot, and a tenant waiting for its own rate sleeps outside the fair-share heap, so it never
+holds back a tenant within its rate.
+
 Fairness is the gate's stride scheduling over job starts (see ``FairShareGate``): a tenant
 that becomes runnable again starts from the current virtual time, so being idle earns no credit
 and a returning tenant cannot monopolise the slots. A flooding tenant therefore delays another
@@ -27,20 +32,22 @@ enter it, so eviction can never close a coordinator under a job that is being su
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple, overload
 
 from loguru import logger
-from reactivex import Observable, abc
+from reactivex import abc
 from reactivex.disposable import Disposable
 
 from ._admission import FairShareGate
-from ._coordinator import CoordinatorStats, TenantTaskCoordinator
+from ._coordinator import CoordinatorStats, Execution, TenantTaskCoordinator
+from ._coordinator._execution import execution
+from ._coordinator._facade import Overflow
+from ._core import telemetry
 from ._core.checks import (
     check_count,
     check_deadline,
@@ -50,12 +57,14 @@ from ._core.checks import (
     check_overflow,
     check_weight,
 )
+from ._core.clock import clock_for
 from ._core.lifecycle import Closeable, CoordinatorState
+from ._core.retry import Retry
 from ._core.timer import TimerHandle, call_later
 from ._core.workers import WorkerPool
 from ._errors import CoordinatorClosed
-from ._execution import Execution, execution
 from ._fleet import FleetAdmission, FleetStats
+from ._rate import Rate, TenantRates, check_rate, check_tenant_rates, rate_of
 
 if TYPE_CHECKING:
     from .leases import LeaseProvider
@@ -63,6 +72,7 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerStats", "TenantScheduler"]
 
 _T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
 
 Weights = Mapping[Hashable, float] | Callable[[Hashable], float]
 
@@ -73,7 +83,8 @@ class SchedulerStats:
 
     ``running`` counts jobs holding a global slot (never more than ``max_concurrency``);
     ``queued`` counts jobs accepted and not yet running, in tenants' queues or at the gate;
-    ``waiting`` submissions beyond their tenant's limits waiting for room (``overflow="wait"``).
+    ``waiting`` submissions beyond their tenant's limits waiting for room (``overflow="wait"``);
+    ``retrying`` jobs waiting for their next attempt, ``retries`` attempts beyond the first.
     ``fleet``: with ``fleet=``, the fleet admission's snapshot: fleet-wide running counts (in
     total and per tenant) as last seen from the store.
     """
@@ -91,11 +102,13 @@ class SchedulerStats:
     max_concurrency: int
     waiting: int = 0
     fleet: FleetStats | None = None
+    retries: int = 0
+    retrying: int = 0
 
     @property
     def work_in_progress(self) -> int:
-        """Jobs queued or running."""
-        return self.queued + self.running
+        """Jobs queued, running or waiting for their next attempt."""
+        return self.queued + self.running + self.retrying
 
 
 class _Tenant:
@@ -154,6 +167,19 @@ class TenantScheduler(Closeable):
             (renewed while its job runs): the most a crashed process keeps its slots. A job
             whose permit lapsed (its process was paused past it) fails with ``LeaseLost``;
             :func:`~rxcoord.current_permit` gives a job its permit's fencing token.
+        retry: A :class:`~rxcoord.Retry` policy for every job (``execute(retry=...)``
+            overrides it per call), as for ``TenantTaskCoordinator``: between attempts a job
+            keeps its key and holds neither its tenant's slot nor a global (or fleet) permit.
+        metrics_tenant: Maps a tenant to a label its jobs' metrics carry as ``rxcoord.tenant``
+            (a tier, a region: a small set; beyond 100 labels per name the rest report as
+            ``"other"``). ``None``: no tenant attribute (tenants are unbounded). Metrics and
+            spans carry the scheduler's ``name`` as ``rxcoord.name``.
+        rate: A :class:`~rxcoord.Rate` on the starts of all tenants together (with ``fleet``,
+            of the whole fleet, on the store's clock). A job over it waits, holding no slot.
+        tenant_rate: Each tenant's rate: one :class:`~rxcoord.Rate` for every tenant, a
+            mapping tenant -> Rate (others have none; checked here), or a callable tenant ->
+            Rate or None (checked on the tenant's first job, which fails if it is bad). A
+            tenant waiting for its own rate never holds back another tenant within its rate.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -171,9 +197,13 @@ class TenantScheduler(Closeable):
         weights: Weights | None = None,
         idle_timeout: float = 0.0,
         name: str = "",
-        overflow: str = "reject",
+        overflow: Overflow = "reject",
         fleet: LeaseProvider | None = None,
         permit_at_most_for: float = 30.0,
+        retry: Retry | None = None,
+        metrics_tenant: Callable[[Any], str] | None = None,
+        rate: Rate | None = None,
+        tenant_rate: TenantRates | None = None,
     ) -> None:
         self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
         tenant_limit = check_count(tenant_max_concurrency, "tenant_max_concurrency", 1)
@@ -189,15 +219,23 @@ class TenantScheduler(Closeable):
         if scheduler is not None and not isinstance(scheduler, abc.SchedulerBase):
             raise TypeError(f"scheduler must be a reactivex scheduler or None, not {scheduler!r}")
         self._weights = weights
+        if metrics_tenant is not None and not callable(metrics_tenant):
+            raise TypeError(f"metrics_tenant must be callable or None, not {metrics_tenant!r}")
+        self._metrics_tenant = metrics_tenant
         self._name = check_name(name)
+        self._tel = telemetry.coordinator(self._name)
         self._log = logger.bind(scheduler=name)
-        self._gate = FairShareGate(max_concurrency)
+        rate = check_rate(rate)
+        self._tenant_rates = check_tenant_rates(tenant_rate)
+        self._gate = FairShareGate(max_concurrency, rate=rate, clock=clock_for(scheduler))
         # fleet=: the store's permit table replaces the in-process gate (it counts this
-        # process's jobs too, and decides fair shares across the fleet).
+        # process's jobs too, and decides fair shares and rates across the fleet).
         self._fleet = (
             None
             if fleet is None
-            else FleetAdmission(fleet, name, max_concurrency, permit_at_most_for=permit_at_most_for)
+            else FleetAdmission(
+                fleet, name, max_concurrency, permit_at_most_for=permit_at_most_for, rate=rate
+            )
         )
         self._tenant_limit = tenant_limit
         self._pool = (
@@ -212,6 +250,7 @@ class TenantScheduler(Closeable):
             "max_queue_size": tenant_queue,
             "timeout": self._timeout,
             "overflow": overflow,
+            "retry": retry,
         }
         self._lock = threading.Lock()
         self._state = CoordinatorState.OPEN
@@ -219,7 +258,7 @@ class TenantScheduler(Closeable):
         self._evicted = 0
         # Counters of evicted tenants, and refusals made by the scheduler itself.
         self._retired = dict.fromkeys(
-            ("submitted", "completed", "failed", "rejected", "cancelled", "timed_out"), 0
+            ("submitted", "completed", "failed", "rejected", "cancelled", "timed_out", "retries"), 0
         )
 
     # -- public API --------------------------------------------------------------------------
@@ -238,46 +277,84 @@ class TenantScheduler(Closeable):
     def execute(
         self,
         tenant: Hashable,
-        job: Callable[[], Awaitable[_T]],
-        *,
+        fn: Callable[[*_Ts], Awaitable[_T]],
+        /,
+        *args: *_Ts,
         key: Hashable | None = None,
         timeout: float | None = None,
-        overflow: str | None = None,
-    ) -> Observable[_T]: ...
+        overflow: Overflow | None = None,
+        retry: Retry | None = None,
+    ) -> Execution[_T]: ...
 
     @overload
     def execute(
         self,
         tenant: Hashable,
-        job: Callable[[], _T],
-        *,
+        fn: Callable[[*_Ts], _T],
+        /,
+        *args: *_Ts,
         key: Hashable | None = None,
         timeout: float | None = None,
-        overflow: str | None = None,
-    ) -> Observable[_T]: ...
+        overflow: Overflow | None = None,
+        retry: Retry | None = None,
+    ) -> Execution[_T]: ...
 
+    # No arguments, any callable: mypy cannot infer ``lambda n=n: work(n)`` against
+    # ``Callable[[], ...]`` (a lambda's defaults need a context with parameters), so such a job
+    # would be a false alarm above. The call itself is still checked at run time.
+    @overload
     def execute(
         self,
         tenant: Hashable,
-        job: Callable[[], Any],
+        fn: Callable[..., Awaitable[_T]],
+        /,
         *,
         key: Hashable | None = None,
         timeout: float | None = None,
-        overflow: str | None = None,
-    ) -> Observable[Any]:
-        """Return a cold Observable that runs ``job`` for ``tenant`` once per subscription.
+        overflow: Overflow | None = None,
+        retry: Retry | None = None,
+    ) -> Execution[_T]: ...
+
+    @overload
+    def execute(
+        self,
+        tenant: Hashable,
+        fn: Callable[..., _T],
+        /,
+        *,
+        key: Hashable | None = None,
+        timeout: float | None = None,
+        overflow: Overflow | None = None,
+        retry: Retry | None = None,
+    ) -> Execution[_T]: ...
+
+    def execute(  # type: ignore[misc]  # mypy: an Any-typed *args "misses" the *_Ts of the above
+        self,
+        tenant: Hashable,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        key: Hashable | None = None,
+        timeout: float | None = None,
+        overflow: Overflow | None = None,
+        retry: Retry | None = None,
+    ) -> Execution[Any]:
+        """Return a cold Observable that runs ``fn(*args)`` for ``tenant`` once per
+        subscription (or ``await``).
 
         Same contract as :meth:`TenantTaskCoordinator.execute`, within the tenant's limits and
         the global limit.
 
         Raises:
-            TypeError: ``tenant`` or ``key`` is unhashable, ``job`` is not callable, or
-                ``timeout`` is not a number.
-            ValueError: ``timeout`` is not positive.
+            TypeError: ``tenant`` or ``key`` is unhashable, ``fn`` is not callable or cannot
+                be called with ``args``, ``timeout`` is not a number, or ``retry`` is not a
+                ``Retry``.
+            ValueError: ``timeout`` is not positive, ``overflow`` not one of the two strings.
         """
         check_hashable(tenant, "tenant")  # an unhashable tenant fails here, at the call
-        submit = functools.partial(self._submit, tenant)
-        return execution(submit, job, key, timeout, self._timeout, overflow)
+        return execution(
+            _TenantOwner(self, tenant), fn, args, key, timeout, self._timeout, overflow, retry
+        )
 
     @overload
     def stats(self) -> SchedulerStats: ...
@@ -312,13 +389,14 @@ class TenantScheduler(Closeable):
             tenants = list(self._tenants.values())
             totals = dict(self._retired)
             evicted = self._evicted
-        queued = waiting = running = 0
+        queued = waiting = running = retrying = 0
         for live in tenants:
             snapshot = live.coordinator.stats()
             for field in totals:
                 totals[field] += getattr(snapshot, field)
             queued += snapshot.queued
             waiting += snapshot.waiting
+            retrying += snapshot.retrying
             # From the tenants, not the gate: a job being admitted holds its global permit a
             # moment before its tenant counts it as running (it would count twice).
             running += snapshot.running
@@ -329,6 +407,7 @@ class TenantScheduler(Closeable):
             running=running,
             max_concurrency=self._max_concurrency,
             waiting=waiting,
+            retrying=retrying,
             fleet=None if self._fleet is None else self._fleet.stats(),
             **totals,
         )
@@ -409,49 +488,64 @@ class TenantScheduler(Closeable):
 
     # -- submission and eviction ---------------------------------------------------------------
 
-    def _submit(
-        self,
-        tenant: Hashable,
-        job: Callable[[], Any],
-        key: Hashable | None,
-        timeout: float | None,
-        is_async: bool,
-        wait: bool | None,
-        observer: abc.ObserverBase[Any],
-        scheduler: abc.SchedulerBase | None,
-    ) -> abc.DisposableBase:
-        entry: _Tenant | None = None
+    def _enter(self, tenant: Hashable) -> _Tenant:
+        """Pin ``tenant``'s live state (made if new) while a submission enters it.
+
+        Raises:
+            CoordinatorClosed: the scheduler is closed.
+            TypeError, ValueError: the tenant's weight (from a callable) is bad.
+        """
         with self._lock:
             if self._state is not CoordinatorState.OPEN:
                 self._retired["submitted"] += 1
                 self._retired["rejected"] += 1
-                error: Exception = CoordinatorClosed(f"tenant scheduler {self._name!r} is closed")
-            else:
-                entry = self._tenants.get(tenant)
-                if entry is None:
-                    try:
-                        entry = self._new_tenant(tenant)
-                    except (TypeError, ValueError) as exc:  # a bad weight for this tenant
-                        error = exc
-                if entry is not None:
-                    entry.pins += 1
-        if entry is None:
-            observer.on_error(error)
-            return Disposable()
-        coordinator = entry.coordinator
+                self._tel.rejected("closed")
+                raise CoordinatorClosed(f"tenant scheduler {self._name!r} is closed")
+            entry = self._tenants.get(tenant)
+            if entry is None:
+                entry = self._new_tenant(tenant)
+            entry.pins += 1
+            return entry
+
+    def _leave(self, entry: _Tenant) -> None:
+        """The submission has entered (or was refused by) the tenant's coordinator."""
+        with self._lock:
+            entry.pins -= 1
+            idle = not entry.pins and not entry.coordinator.work_in_progress
+        if idle:  # refused, or done already: nobody else will notice it went idle
+            self._tenant_idle(entry)
+
+    def _subscribe(
+        self,
+        tenant: Hashable,
+        execution: Execution[Any],
+        observer: abc.ObserverBase[Any],
+        scheduler: abc.SchedulerBase | None,
+    ) -> abc.DisposableBase:
         try:
-            overflow = None if wait is None else ("wait" if wait else "reject")
-            submission = cast(
-                Execution[Any],
-                coordinator.execute(job, key=key, timeout=timeout, overflow=overflow),
-            )
-            return submission.submit(observer, scheduler)
+            entry = self._enter(tenant)
+        except (CoordinatorClosed, TypeError, ValueError) as exc:  # closed, or a bad weight
+            observer.on_error(exc)
+            return Disposable()
+        try:
+            return entry.coordinator._subscribe(execution, observer, scheduler)
         finally:
-            with self._lock:
-                entry.pins -= 1
-                idle = not entry.pins and not coordinator.work_in_progress
-            if idle:  # refused, or done already: nobody else will notice it went idle
-                self._tenant_idle(entry)
+            self._leave(entry)
+
+    async def _await(self, tenant: Hashable, execution: Execution[Any]) -> Any:
+        entry = self._enter(tenant)
+        left = False
+
+        def entered() -> None:
+            nonlocal left
+            left = True
+            self._leave(entry)
+
+        try:
+            return await entry.coordinator._await(execution, entered)
+        finally:
+            if not left:  # failed before it was counted
+                self._leave(entry)
 
     def _new_tenant(self, tenant: Hashable) -> _Tenant:
         weight: Any = 1.0
@@ -461,16 +555,21 @@ class TenantScheduler(Closeable):
             else:
                 weight = self._weights(tenant)
         weight = check_weight(weight, f"the weight of tenant {tenant!r}")
+        rate = rate_of(self._tenant_rates, tenant)
         entry = _Tenant(tenant)
         coordinator = TenantTaskCoordinator(
             name=str(tenant),
             admission=(
-                self._gate.lane(weight)
+                self._gate.lane(weight, rate=rate, key=tenant)
                 if self._fleet is None
-                else self._fleet.lane(str(tenant), weight=weight, tenant_limit=self._tenant_limit)
+                else self._fleet.lane(
+                    str(tenant), weight=weight, tenant_limit=self._tenant_limit, rate=rate
+                )
             ),
             on_idle=lambda: self._tenant_idle(entry),
             log_context={"tenant": tenant},
+            metrics_name=self._name,
+            metrics_label=None if self._metrics_tenant is None else self._metrics_tenant(tenant),
             **self._tenant_options,
         )
         entry.coordinator = coordinator
@@ -518,3 +617,24 @@ class TenantScheduler(Closeable):
         for field in self._retired:
             self._retired[field] += getattr(snapshot, field)
         self._evicted += evicted
+
+
+class _TenantOwner:
+    """The owner of a tenant's executions: the scheduler, seen through that tenant."""
+
+    __slots__ = ("scheduler", "tenant")
+
+    def __init__(self, scheduler: TenantScheduler, tenant: Hashable) -> None:
+        self.scheduler = scheduler
+        self.tenant = tenant
+
+    def _subscribe(
+        self,
+        execution: Execution[Any],
+        observer: abc.ObserverBase[Any],
+        scheduler: abc.SchedulerBase | None,
+    ) -> abc.DisposableBase:
+        return self.scheduler._subscribe(self.tenant, execution, observer, scheduler)
+
+    def _await(self, execution: Execution[Any]) -> Coroutine[Any, Any, Any]:
+        return self.scheduler._await(self.tenant, execution)

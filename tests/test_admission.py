@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.waiting import WAIT
 
 from rxcoord import (
     Admission,
@@ -22,8 +23,6 @@ from rxcoord import (
     TenantTaskCoordinator,
 )
 from rxcoord._admission import FairShareGate
-
-WAIT = 10.0
 
 
 class ManualAdmission:

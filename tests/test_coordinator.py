@@ -11,10 +11,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from execution_support import WAIT, Gate, Outcome
-from loguru import logger
 from reactivex import abc
 from reactivex.scheduler import ThreadPoolScheduler
+from support.execution import WAIT, Gate, Outcome
 
 from rxcoord import CoordinatorClosed, CoordinatorStats, TenantTaskCoordinator
 
@@ -139,34 +138,6 @@ def test_stats_is_a_frozen_snapshot(coordinator: TenantTaskCoordinator) -> None:
         stats.submitted = 5  # type: ignore[misc]
     assert (stats.name, stats.max_concurrency, stats.max_queue_size) == ("test", 2, 3)
     assert "test" in repr(coordinator)
-
-
-def test_a_pipeline_fault_fails_live_jobs_and_a_fresh_pipeline_takes_over() -> None:
-    # Nothing in the pipeline raises by design (the tests above try hard); this injects a fault
-    # to prove the defensive path: no caller hangs, the fault is logged, service continues.
-    records: list[str] = []
-    sink = logger.add(lambda m: records.append(m.record["level"].name), level="CRITICAL")
-    logger.enable("rxcoord")
-    try:
-        with TenantTaskCoordinator(max_concurrency=1, max_queue_size=5) as c:
-            gate = Gate()
-            running, queued = Outcome(), Outcome()
-            running.subscribe_to(c.execute(gate))
-            queued.subscribe_to(c.execute(lambda: "never"))
-            assert gate.started.wait(WAIT)
-            boom = RuntimeError("injected pipeline fault")
-            c._pipeline.fail(boom)  # as if the source had failed
-            assert running.error is boom
-            assert queued.error is boom
-            gate.open()
-            assert c.execute(lambda: "after").run() == "after"
-    finally:
-        logger.disable("rxcoord")
-        logger.remove(sink)
-    assert records == ["CRITICAL"]
-
-
-# -- regressions found in review ----------------------------------------------------------------
 
 
 def test_timeout_errors_are_not_delivered_on_the_shared_timer_thread() -> None:

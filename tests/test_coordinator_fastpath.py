@@ -20,33 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from execution_support import WAIT, Gate, Outcome
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reactivex import abc
-from reactivex.disposable import Disposable
-from reactivex.scheduler.scheduler import Scheduler
 from reactivex.testing import TestScheduler
+from support.execution import WAIT, Gate, ManualScheduler, Outcome
 
 from rxcoord import CoordinatorClosed, TenantTaskCoordinator, TooManyTasks
-
-
-class ManualScheduler(Scheduler):
-    """Runs a scheduled (sync) job only when the test says so."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.actions: list[Callable[[], Any]] = []
-
-    def schedule(self, action: Any, state: Any = None) -> abc.DisposableBase:
-        self.actions.append(lambda: action(self, state))
-        return Disposable()
-
-    def schedule_relative(self, duetime: Any, action: Any, state: Any = None) -> Any:
-        raise NotImplementedError
-
-    def schedule_absolute(self, duetime: Any, action: Any, state: Any = None) -> Any:
-        raise NotImplementedError
 
 
 class Ledger:

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pytest
 import reactivex
 from reactivex import operators as ops
 from reactivex.subject import Subject
+from support.waiting import WAIT
 
 from rxcoord import CoordinatorClosed, TenantTaskCoordinator
-
-WAIT = 10.0
 
 
 class Collect:
@@ -152,3 +152,85 @@ def test_close_stops_an_observable_job_with_coordinator_closed() -> None:
     c.close()
     assert isinstance(out.error, CoordinatorClosed)
     assert not subject.observers  # disposed
+
+
+# -- where a job runs: the code cache (rxcoord/_coordinator/_execution.py) ----------------------
+
+
+async def test_a_lambda_returning_a_coroutine_is_called_on_the_loop_after_its_first_job() -> None:
+    callers: list[str] = []
+    tasks: list[asyncio.Task[Any] | None] = []
+
+    async def handle(i: int) -> int:
+        tasks.append(asyncio.current_task())
+        return i
+
+    def call(i: int) -> Any:
+        callers.append(threading.current_thread().name)
+        return handle(i)
+
+    async with TenantTaskCoordinator(max_concurrency=2) as c:
+        me = asyncio.current_task()
+        results = [await c.execute(lambda i=i: call(i), key="k") for i in range(4)]
+    assert results == [0, 1, 2, 3]
+    assert callers[0] != threading.current_thread().name  # the first: a worker, once
+    assert callers[1:] == [threading.current_thread().name] * 3  # then the loop, no hop
+    assert tasks[1:] == [me] * 3  # inside the awaiting task itself
+
+
+async def test_jobs_submitted_before_their_code_was_known_take_the_loop_at_their_turn() -> None:
+    callers: list[str] = []
+
+    async def handle(i: int) -> int:
+        await asyncio.sleep(0)
+        return i
+
+    def call(i: int) -> Any:
+        callers.append(threading.current_thread().name)
+        return handle(i)
+
+    async with TenantTaskCoordinator(max_concurrency=1, max_queue_size=100) as c:
+        # All submitted at once (a gather): none of them ran when the others were counted.
+        results = await asyncio.gather(*(c.execute(lambda i=i: call(i)) for i in range(20)))
+    assert results == list(range(20))
+    loop_thread = threading.current_thread().name
+    assert callers.count(loop_thread) == 19  # only the first took a worker
+
+
+async def test_a_wrapper_lambda_is_remembered_per_function_it_wraps() -> None:
+    # A helper with one lambda for every function it forwards: an async function that went
+    # through it must not bring a blocking function onto the loop after it.
+    async def fetch() -> str:
+        return "async"
+
+    def blocking() -> str:
+        time.sleep(0.001)
+        return threading.current_thread().name
+
+    async with TenantTaskCoordinator(max_concurrency=2) as c:
+
+        def submit(fn: Callable[..., Any], *args: Any) -> Any:
+            return c.execute(lambda: fn(*args))
+
+        for _ in range(3):
+            assert await submit(fetch) == "async"
+        assert await submit(blocking) != threading.current_thread().name  # a worker's name
+
+
+async def test_a_remembered_code_that_returns_a_value_is_forgotten() -> None:
+    callers: list[str] = []
+
+    async def handle() -> str:
+        return "async"
+
+    def dispatch(kind: str) -> Any:
+        callers.append(threading.current_thread().name)
+        return handle() if kind == "async" else "sync"
+
+    async with TenantTaskCoordinator(max_concurrency=1) as c:
+        for kind in ("async", "async", "sync", "sync"):
+            await c.execute(lambda kind=kind: dispatch(kind))
+    here = threading.current_thread().name
+    # worker (unknown), loop (remembered), loop (still remembered: it returns a value, so the
+    # code is forgotten), worker again.
+    assert [name == here for name in callers] == [False, True, True, False]

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import WAIT
 
-from rxcoord import TenantTaskCoordinator
+from rxcoord import LeaseKeyGuard, TenantTaskCoordinator
 from rxcoord.leases import MemoryLeases, MemoryLeaseStore
-
-WAIT = 10.0
 
 
 class KeyMeter:
@@ -98,12 +97,27 @@ async def test_async_keyed_jobs_hold_the_lease_too() -> None:
 
 def test_unkeyed_jobs_take_no_lease() -> None:
     store = MemoryLeaseStore()
-    with MemoryLeases(store) as leases, TenantTaskCoordinator(leases=leases) as c:
+    with MemoryLeases(store) as leases, TenantTaskCoordinator(name="o", leases=leases) as c:
         assert c.execute(lambda: 1).run() == 1
         assert leases.stats().granted == 0
         assert c.execute(lambda: 2, key="k").run() == 2
         assert leases.stats().granted == 1
         assert leases.stats().held == 0
+
+
+def test_leases_without_a_name_are_refused_at_construction_like_fleet() -> None:
+    # Unnamed, every coordinator on a store would take the lease ":<key>" for its keyed jobs,
+    # excluding other unnamed coordinators' keys by accident (issue 26).
+    with MemoryLeases() as leases:
+        with pytest.raises(ValueError, match=r"pass name='orders'.* to the coordinator"):
+            TenantTaskCoordinator(leases=leases)
+        with pytest.raises(ValueError, match="pass name="):
+            LeaseKeyGuard(leases, "", 30.0)  # the check lives where lease names are made
+        with pytest.raises(TypeError, match="name must be a str"):
+            LeaseKeyGuard(leases, None, 30.0)  # type: ignore[arg-type]
+        with TenantTaskCoordinator(name="orders", leases=leases) as named:
+            held = named.execute(lambda: leases.holder("orders:k"), key="k").run()
+        assert held is not None  # the job ran under the lease "orders:k"
 
 
 def test_bad_lease_settings_are_rejected() -> None:
@@ -115,7 +129,7 @@ WORKER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from rxcoord import TenantTaskCoordinator
+    from rxcoord import LeaseKeyGuard, TenantTaskCoordinator
     from rxcoord.leases import SqliteLeases
 
     db, counter = sys.argv[1], Path(sys.argv[2])

@@ -11,12 +11,13 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reactivex import abc
+from support.waiting import WAIT
 
-from rxcoord import TenantTaskCoordinator
+from rxcoord import Retry, TenantTaskCoordinator
+from rxcoord._coordinator._table import TaskTable
 
 MAX_CONCURRENCY = 2
 MAX_QUEUE = 3
-WAIT = 10.0
 
 
 @dataclass
@@ -46,6 +47,10 @@ class Checker:
             self.active_keys.discard(key)
 
 
+class Blinked(ConnectionError):
+    """What a flaky job raises once: retried when the workload has a retry policy."""
+
+
 class Job(abc.ObserverBase[int]):
     def __init__(self, checker: Checker, index: int, key: Any, behaviour: str) -> None:
         self.checker = checker
@@ -66,6 +71,9 @@ class Job(abc.ObserverBase[int]):
             self.gate.wait(WAIT)
             if self.behaviour == "error":
                 raise RuntimeError(f"job {self.index}")
+            if self.behaviour == "flaky":  # fails its first attempt, a retry succeeds
+                self.behaviour = "ok"
+                raise Blinked(f"job {self.index}")
             return self.index
         finally:
             self.checker.leave(self.key)
@@ -110,26 +118,47 @@ def test_random_workloads_keep_limits_order_and_accounting(ops: list[tuple[Any, 
     run_workload(ops)
 
 
+flaky_submit = st.tuples(
+    st.just("submit"),
+    st.sampled_from([None, "a", "b"]),
+    st.sampled_from(["ok", "flaky", "flaky", "hold", "error"]),
+    st.sampled_from([None, None, 0.01]),
+)
+with_retries = st.lists(
+    st.one_of(flaky_submit, flaky_submit, cancel, release), min_size=1, max_size=30
+)
+
+
+@model_settings
+@given(ops=with_retries)
+def test_random_workloads_with_retries_keep_order_limits_and_accounting(
+    ops: list[tuple[Any, ...]],
+) -> None:
+    # A retried job keeps its key between attempts: its second attempt comes before any later
+    # job of the key (the per-key start order stays sorted, the same index twice in a row).
+    run_workload(ops, retry=Retry(attempts=2, backoff=0.001, on=(Blinked,)))
+
+
 @model_settings
 @given(ops=cancel_heavy)
 def test_random_workloads_with_a_purge_on_every_cancel(ops: list[tuple[Any, ...]]) -> None:
     # Tasks cancelled while queued are purged from the pipeline once they outnumber the live
     # ones (and at least 64). Here every such cancel purges, so a purge that lost a live task,
     # reordered a key or broke the accounting fails the same checks.
-    due = TenantTaskCoordinator._purge_due
-    TenantTaskCoordinator._purge_due = lambda self: True  # type: ignore[method-assign]
+    due = TaskTable._purge_due
+    TaskTable._purge_due = lambda self: True  # type: ignore[method-assign]
     try:
         run_workload(ops)
     finally:
-        TenantTaskCoordinator._purge_due = due  # type: ignore[method-assign]
+        TaskTable._purge_due = due  # type: ignore[method-assign]
 
 
-def run_workload(ops: list[tuple[Any, ...]]) -> None:
+def run_workload(ops: list[tuple[Any, ...]], retry: Retry | None = None) -> None:
     checker = Checker()
     jobs: list[Job] = []
     idle = threading.Event()  # the coordinator's work in progress dropped to zero
     with TenantTaskCoordinator(
-        max_concurrency=MAX_CONCURRENCY, max_queue_size=MAX_QUEUE, on_idle=idle.set
+        max_concurrency=MAX_CONCURRENCY, max_queue_size=MAX_QUEUE, on_idle=idle.set, retry=retry
     ) as c:
         for op in ops:
             if op[0] == "submit":
@@ -169,9 +198,12 @@ def run_workload(ops: list[tuple[Any, ...]]) -> None:
                 ["RuntimeError"],
                 ["TooManyTasks"],
                 ["TimeoutError"],
+                ["Blinked"],
             ), job.outcomes
             if job.outcomes == ["RuntimeError"]:
                 assert job.behaviour == "error"
+            if job.outcomes == ["Blinked"]:
+                assert retry is None, "a flaky job failed although it had a retry"
     assert stats.submitted == len(jobs)
     assert (
         stats.completed + stats.failed + stats.rejected + stats.cancelled + stats.timed_out

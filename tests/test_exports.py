@@ -107,3 +107,11 @@ def test_package_is_typed() -> None:
     from importlib.resources import files
 
     assert files("rxcoord").joinpath("py.typed").is_file()
+
+
+def test_the_rate_policy_is_public() -> None:
+    """One policy class for every layer (``TenantScheduler(rate=...)``, fleets, coordinators),
+    with the statistics its admissions report."""
+    for name in ("Rate", "RateStats"):
+        assert name in rxcoord.__all__
+        assert getattr(rxcoord, name).__module__ == "rxcoord._rate"

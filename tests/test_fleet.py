@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from execution_support import WAIT, Gate, Outcome
+from support.execution import WAIT, Gate, Outcome
 
 from rxcoord import (
     FleetAdmission,
@@ -161,9 +161,9 @@ def test_limits_hold_across_members_sharing_a_store(
 class SlowLeases(MemoryLeases):
     """A memory provider whose permit steps take a while, like a round trip to a server."""
 
-    def _permits_acquire(self, group: str, *args: Any) -> PermitReply:
+    def _permits_acquire(self, group: str, *args: Any, **rates: Any) -> PermitReply:
         time.sleep(0.0005)
-        return super()._permits_acquire(group, *args)
+        return super()._permits_acquire(group, *args, **rates)
 
 
 def test_no_job_is_lost_while_tenants_come_and_go_under_contention(
@@ -328,10 +328,10 @@ class FlakyLeases(MemoryLeases):
 
     down = False
 
-    def _permits_acquire(self, group: str, *args: Any) -> PermitReply:
+    def _permits_acquire(self, group: str, *args: Any, **rates: Any) -> PermitReply:
         if self.down:
             raise LeaseStoreUnavailable("the store is down (test)")
-        return super()._permits_acquire(group, *args)
+        return super()._permits_acquire(group, *args, **rates)
 
 
 def test_new_jobs_fail_with_store_unavailable_while_the_store_is_down() -> None:

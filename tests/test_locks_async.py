@@ -10,11 +10,10 @@ from collections.abc import Callable
 
 import pytest
 from locks_support import is_free
+from support.waiting import WAIT
 
 from rxcoord import KeyedLocks, Lease
 from rxcoord._errors import LockTimeout
-
-WAIT = 10.0
 
 
 async def until(predicate: Callable[[], bool]) -> None:

@@ -8,20 +8,17 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reactivex import abc
-from reactivex.disposable import Disposable
-from reactivex.scheduler.scheduler import Scheduler
+from support.execution import ManualScheduler
+from support.waiting import WAIT
 
 from rxcoord import CoordinatorClosed, TenantScheduler, TenantTaskCoordinator, TooManyTasks
 from rxcoord._admission import FairShareGate
-
-WAIT = 10.0
 
 
 class Meter:
@@ -170,7 +167,7 @@ def test_cancelled_waiting_submissions_never_run_and_leave_nothing_behind() -> N
         stats = c.stats()
         assert stats.waiting == 1
         assert stats.cancelled == 199
-        assert len(c._waiters) < 200  # the deque is purged, not left to grow
+        assert len(c._table._waiters) < 200  # the deque is purged, not left to grow
         gate.set()
         assert done.wait(WAIT)
         deadline = time.monotonic() + WAIT
@@ -450,24 +447,6 @@ def _recorder(
     return on_next, on_error, on_completed
 
 
-class ManualScheduler(Scheduler):
-    """Runs a scheduled action only when the test says so: 'running' jobs stay running."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.actions: list[Callable[[], Any]] = []
-
-    def schedule(self, action: Any, state: Any = None) -> abc.DisposableBase:
-        self.actions.append(lambda: action(self, state))
-        return Disposable()
-
-    def schedule_relative(self, duetime: Any, action: Any, state: Any = None) -> Any:
-        raise NotImplementedError
-
-    def schedule_absolute(self, duetime: datetime | float, action: Any, state: Any = None) -> Any:
-        raise NotImplementedError
-
-
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("submit"), st.sampled_from([None, "a", "b"]), st.booleans()),
@@ -552,27 +531,37 @@ async def test_awaited_async_jobs_run_in_the_awaiting_task() -> None:
         assert await c.execute(job) is outer  # no task of its own
 
 
-async def test_a_timeout_decided_before_the_inline_run_starts_still_raises_timeout() -> None:
-    # The timer thread settles the task between the turn and the inline start: the awaiter
-    # must get the TimeoutError that is on its way through the loop, not a CancelledError.
-    # (With an admission: there the timeout is armed when the permit comes, before the turn
-    # reaches the awaiting task. Without one the awaiting task arms it as the job starts.)
-    c = TenantTaskCoordinator(max_concurrency=1, timeout=0.01, admission=FairShareGate(4).lane(1.0))
-    ran: list[str] = []
+async def test_an_awaited_job_under_an_admission_times_out_from_its_start() -> None:
+    # The awaiting task arms the timeout as the job starts inside it (after its turn and its
+    # permit), so time spent waiting for the permit does not count; the job is then cancelled
+    # in the awaiting task and the awaiter gets TimeoutError, not CancelledError.
+    gate = FairShareGate(1)
+    c = TenantTaskCoordinator(max_concurrency=2, timeout=0.2, admission=gate.lane(1.0))
+    hold = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def holder() -> str:
+        await hold.wait()
+        return "held"
 
     async def job() -> None:
-        ran.append("ran")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
 
-    original = c.run_inline
-
-    async def late_start(task: Any, observer: Any) -> Any:
-        await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.05)
-        return await original(task, observer)
-
-    c.run_inline = late_start  # type: ignore[method-assign]
+    first = asyncio.ensure_future(c.execute(holder, timeout=60))  # the gate's one permit
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(c.execute(job))
+    await asyncio.sleep(0.3)  # longer than the timeout, spent waiting for the permit
+    assert not second.done()
+    hold.set()
+    assert await first == "held"
     with pytest.raises(TimeoutError):
-        await c.execute(job)
-    assert ran == []
+        await second
+    assert cancelled.is_set()
+    assert c.stats().timed_out == 1
     await c.aclose()
 
 

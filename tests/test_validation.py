@@ -53,7 +53,7 @@ def test_a_callable_weight_is_checked_on_the_tenant_s_first_job() -> None:
 def test_leases_must_be_a_provider_not_a_url() -> None:
     with pytest.raises(TypeError, match=r"leases_from_url\(url\)"):
         TenantTaskCoordinator(leases="redis://x")  # type: ignore[arg-type]
-    with MemoryLeases() as leases, TenantTaskCoordinator(leases=leases):
+    with MemoryLeases() as leases, TenantTaskCoordinator(name="n", leases=leases):
         pass
 
 

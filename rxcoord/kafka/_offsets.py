@@ -95,8 +95,7 @@ from typing import TYPE_CHECKING, Any, Final
 from loguru import logger
 from reactivex import abc as rx_abc
 
-from rxcoord._core.checks import check_delay, check_length
-from rxcoord.leases._validate import check_table
+from rxcoord._core.checks import check_delay, check_identifier, check_length
 
 from ._errors import OffsetStoreError, OffsetStoreMisconfigured, OffsetStoreUnavailable
 
@@ -335,7 +334,7 @@ class PostgresOffsets:
         timeout: float = 5.0,
         outage_timeout: float = 60.0,
     ) -> None:
-        parts = check_table(table)
+        parts = check_identifier(table)
         idle = check_length(idle_in_transaction_timeout, "idle_in_transaction_timeout")
         self._timeout = check_length(timeout, "timeout")
         self._outage_timeout = check_delay(outage_timeout, "outage_timeout")

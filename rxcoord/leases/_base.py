@@ -30,6 +30,7 @@ cancellation and close racing with the grant.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import weakref
 from abc import abstractmethod
@@ -45,16 +46,24 @@ from reactivex.disposable import Disposable
 from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.observer import AutoDetachObserver
 
+from rxcoord._core import telemetry
 from rxcoord._core.futures import AwaitableObservable, last_value
 from rxcoord._core.jobs import JobRun, Work, job_takes_lease, subscriber_loop
 from rxcoord._core.lifecycle import Closeable
 from rxcoord._errors import LeaseProviderClosed, LeaseStoreUnavailable, LockTimeout
 
+from .._core.checks import (
+    MAX_DURATION,
+    MAX_NAME_BYTES,
+    check_lease_args,
+    check_lease_name,
+    check_wait,
+)
 from ._background import Background
 from ._lease import DistributedLease, LeaseHolder
+from ._listing import StoreListing
 from ._notify import WaitHub
-from ._permits import PermitReply
-from ._validate import MAX_DURATION, MAX_NAME_BYTES, check_lease_args, check_timeout
+from ._permits import PermitReply, RateArgs
 from ._waiting import Failure, LeaseWait, Outcome, Waits
 
 __all__ = ["LeaseProvider", "LeaseProviderStats"]
@@ -156,6 +165,8 @@ class LeaseProvider(Closeable):
         # keep-alive stops and the name frees by at_most_for (see DistributedLease).
         self._held: weakref.WeakSet[DistributedLease] = weakref.WeakSet()
         self._background = Background(f"rxcoord-{self.backend}-leases")
+        # rxcoord.lease.wait and rxcoord.leases.lost; rxcoord.leases.held is read from _held.
+        self._telemetry = telemetry.leases(self.backend)
         # Waiting: name queues, timers on the shared timer thread, and a bounded worker pool
         # for the waiters' round trips (see _waiting.py). No thread per waiter.
         self._waits = Waits(self, poll)
@@ -166,6 +177,7 @@ class LeaseProvider(Closeable):
         self._extended = 0
         self._lost = 0
         self._store_errors = 0
+        self._telemetry.observe_held(self, LeaseProvider._held_count)
 
     # -- primitives (one round trip each, atomic on the store) ---------------------------------
 
@@ -215,6 +227,18 @@ class LeaseProvider(Closeable):
     def _store_close(self) -> None:
         """Close connections; must not raise."""
 
+    @abstractmethod
+    def _store_list(self) -> StoreListing:
+        """Everything the store holds right now, read-only (``rxcoord inspect``; ``_listing.py``).
+
+        Writes nothing, creates no table or key and sweeps nothing: a store the provider never
+        set up lists empty. Every lease and group in the store (this provider's namespace:
+        its table or prefix), whoever holds it.
+
+        Raises:
+            LeaseStoreUnavailable, LeaseStoreMisconfigured: As the other primitives.
+        """
+
     # -- fleet permits (see _permits.py): a backend offers them by overriding all three ----------
 
     def _permits_acquire(
@@ -228,6 +252,9 @@ class LeaseProvider(Closeable):
         most: float,
         demand_for: float,
         more: bool,
+        *,
+        rate: RateArgs | None = None,
+        tenant_rate: RateArgs | None = None,
     ) -> PermitReply:
         """The permit table's ``acquire`` step (``_permits.py``), one round trip.
 
@@ -273,7 +300,8 @@ class LeaseProvider(Closeable):
         """Take the lease if it is free right now; one round trip, never waits.
 
         Args:
-            name: The lease name (non-empty str, at most 1024 characters).
+            name: The lease name: a non-empty str of at most ``max_name_bytes`` bytes of UTF-8,
+                without NUL.
             at_most_for: Seconds until the lease expires unless extended (> 0).
             at_least_for: Seconds after the grant the name stays taken even if released early
                 (0 <= at_least_for <= at_most_for).
@@ -283,15 +311,26 @@ class LeaseProvider(Closeable):
             The lease, or None if another holder has it.
 
         Raises:
+            TypeError: An argument of the wrong type (a name that is not a str, a duration
+                that is not a number).
             ValueError: Bad arguments (empty name, ``at_most_for <= 0``, ``at_least_for >
-                at_most_for``...). TypeError for wrong types.
-            LeaseStoreUnavailable: The store could not be reached.
+                at_most_for``...), refused before any round trip.
+            LeaseStoreUnavailable: The store could not be reached (an outage: retry later).
+            LeaseStoreMisconfigured: The store refused for good (credentials, permissions, a
+                database it does not have: the message names the fix; retrying will not help).
             LeaseProviderClosed: The provider was closed.
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        result = self._attempt(name, most, least)
+        begun = self._telemetry.begin()
+        try:
+            result = self._attempt(name, most, least)
+        except Exception:
+            self._telemetry.waited(begun, "failed")
+            raise
         if type(result) is float:
+            self._telemetry.waited(begun, "taken")
             return None
+        self._telemetry.waited(begun, "acquired")
         assert isinstance(result, DistributedLease)
         if keep_alive:
             result.start_keep_alive()
@@ -313,28 +352,42 @@ class LeaseProvider(Closeable):
         reentrant: a holder that acquires its own name again waits for itself.
 
         Args:
-            name, at_most_for, at_least_for, keep_alive: As for :meth:`try_acquire`.
+            name: The lease name, as for :meth:`try_acquire`.
+            at_most_for: As for :meth:`try_acquire`.
+            at_least_for: As for :meth:`try_acquire`.
+            keep_alive: As for :meth:`try_acquire`.
             timeout: Most seconds to wait; None waits as long as it takes, 0 tries once.
 
         Raises:
             LockTimeout: Not granted within ``timeout``.
-            ValueError: Bad arguments.
+            TypeError: An argument of the wrong type (as :meth:`try_acquire`; ``timeout`` too).
+            ValueError: Bad arguments (as :meth:`try_acquire`; a negative ``timeout`` too).
             LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (the message names the fix).
             LeaseProviderClosed: The provider was closed (also while waiting).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        wait = check_timeout(timeout)
+        wait = check_wait(timeout)
         deadline = None if wait is None else monotonic() + wait
+        begun = self._telemetry.begin()
         # The first attempt on the caller's thread: the uncontended path is one round trip.
-        result = self._attempt(name, most, least)
+        try:
+            result = self._attempt(name, most, least)
+        except Exception:
+            self._telemetry.waited(begun, "failed")
+            raise
         if isinstance(result, float):
             if wait == 0:
+                self._telemetry.waited(begun, "timed_out")
                 raise self._timeout_error(name, wait)
             # Then the one waiting state machine (see _waiting.py), this thread parked until
             # the wait's Waiter is granted: its own deadline timer, not this thread, ends it
-            # with LockTimeout. Interrupted (KeyboardInterrupt), nothing stays granted.
-            pending = self._waits.new(name, most, least, wait, deadline=deadline)
+            # with LockTimeout. Interrupted (KeyboardInterrupt), nothing stays granted. The
+            # wait records its outcome (rxcoord.lease.wait) from ``begun``.
+            pending = self._waits.new(name, most, least, wait, deadline=deadline, begun=begun)
             result = _lease_or_raise(self._waits.wait_blocking(pending, result))
+        else:
+            self._telemetry.waited(begun, "acquired")
         if keep_alive:
             _start_keep_alive(result)
         return result
@@ -356,9 +409,15 @@ class LeaseProvider(Closeable):
         raises, that exception propagates and a failing release is only logged.
 
         Raises:
-            LockTimeout, ValueError, LeaseStoreUnavailable, LeaseProviderClosed: As
-                :meth:`acquire`.
-            LeaseLost: On exit, if the lease was lost before it could be released.
+            LockTimeout: Not granted within ``timeout``.
+            TypeError: An argument of the wrong type.
+            ValueError: Bad arguments.
+            LeaseStoreUnavailable: The store could not be reached (when acquiring, or when
+                releasing on a normal exit).
+            LeaseStoreMisconfigured: The store refused for good.
+            LeaseProviderClosed: The provider was closed.
+            LeaseLost: On a normal exit, the lease had been lost before it could be released
+                (the block's work may overlap a newer holder's).
         """
         lease = self.acquire(
             name, at_most_for, at_least_for, timeout=timeout, keep_alive=keep_alive
@@ -376,7 +435,8 @@ class LeaseProvider(Closeable):
         this process has not noticed. It is a snapshot: the grant may end right after.
 
         Raises:
-            ValueError, TypeError: Bad name (checked before the round trip).
+            TypeError: ``name`` is not a str (checked before the round trip).
+            ValueError: ``name`` is empty or too long for the store (likewise).
             LeaseStoreUnavailable: The store could not be reached.
             LeaseStoreMisconfigured: The store refused for good (see the message).
             LeaseProviderClosed: The provider was closed.
@@ -385,7 +445,15 @@ class LeaseProvider(Closeable):
         return self._holder_of(name)
 
     async def holder_async(self, name: str) -> LeaseHolder | None:
-        """:meth:`holder` for asyncio; the round trip runs on the provider's workers."""
+        """:meth:`holder` for asyncio; the round trip runs on the provider's workers.
+
+        Raises:
+            TypeError: ``name`` is not a str (checked before the round trip).
+            ValueError: ``name`` is empty or too long for the store (likewise).
+            LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (see the message).
+            LeaseProviderClosed: The provider was closed.
+        """
         self._check_name(name)
         return await self._waits.call_async(lambda: self._holder_of(name))
 
@@ -403,9 +471,7 @@ class LeaseProvider(Closeable):
         return LeaseHolder(name, token, max(0.0, remaining), released)
 
     def _check_name(self, name: object) -> None:
-        check_lease_args(
-            name, 1.0, 0.0, max_name_bytes=self.max_name_bytes, backend=type(self).__name__
-        )
+        check_lease_name(name, self.max_name_bytes, type(self).__name__)
 
     def _check_lease_args(
         self, name: object, at_most_for: object, at_least_for: object
@@ -533,12 +599,12 @@ class LeaseProvider(Closeable):
         ``SequenceContainsNoElementsError``, as awaiting any empty Observable does.
 
         Raises:
-            TypeError: ``job`` can be called neither as ``job()`` nor as ``job(lease)``
-                (raised here, not on subscription).
+            TypeError: ``job`` can be called neither as ``job()`` nor as ``job(lease)``, or
+                an argument has the wrong type (raised here, not on subscription).
             ValueError: Bad arguments (raised here, not on subscription).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        wait_for = check_timeout(timeout)
+        wait_for = check_wait(timeout)
         pass_lease = job_takes_lease(job)  # once per call, not per subscription
 
         def subscribe(
@@ -547,8 +613,17 @@ class LeaseProvider(Closeable):
             pending = self._waits.new(
                 name, most, least, wait_for if wait else 0.0, skip_taken=not wait
             )
+            # The job runs in a copy of the subscriber's context (its contextvars: a request
+            # id, loguru's contextualize, the current span), whatever thread it runs on.
             sink = _LeaseRun(
-                self, job, pass_lease, keep_alive, pending, observer, subscriber_loop(scheduler_)
+                self,
+                job,
+                pass_lease,
+                keep_alive,
+                pending,
+                observer,
+                subscriber_loop(scheduler_),
+                contextvars.copy_context(),
             )
 
             def action() -> None:
@@ -611,10 +686,11 @@ class LeaseProvider(Closeable):
         when taken, as awaiting any empty Observable does).
 
         Raises:
+            TypeError: An argument of the wrong type (raised here, not on subscription).
             ValueError: Bad arguments (raised here, not on subscription).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        wait_for = check_timeout(timeout)
+        wait_for = check_wait(timeout)
 
         def subscribe(
             observer: abc.ObserverBase[DistributedLease],
@@ -681,6 +757,13 @@ class LeaseProvider(Closeable):
         """:meth:`try_acquire` for asyncio; the round trip runs on the provider's workers.
 
         Cancelling the task while the round trip is in flight releases a lease it grants.
+
+        Raises:
+            TypeError: An argument of the wrong type.
+            ValueError: Bad arguments.
+            LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (the message names the fix).
+            LeaseProviderClosed: The provider was closed.
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
         pending = self._waits.new(name, most, least, 0.0, skip_taken=True)
@@ -703,9 +786,17 @@ class LeaseProvider(Closeable):
         No thread is parked for the wait (see :meth:`acquire_rx`). Cancelling the task cancels
         the wait; a grant that was in flight at that moment is released in the background,
         never leaked.
+
+        Raises:
+            LockTimeout: Not granted within ``timeout``.
+            TypeError: An argument of the wrong type.
+            ValueError: Bad arguments.
+            LeaseStoreUnavailable: The store could not be reached.
+            LeaseStoreMisconfigured: The store refused for good (the message names the fix).
+            LeaseProviderClosed: The provider was closed (also while waiting).
         """
         most, least = self._check_lease_args(name, at_most_for, at_least_for)
-        wait = check_timeout(timeout)
+        wait = check_wait(timeout)
         lease = await self._wait_async(self._waits.new(name, most, least, wait))
         assert lease is not None  # a taken name raised LockTimeout
         if keep_alive:
@@ -733,7 +824,18 @@ class LeaseProvider(Closeable):
         timeout: float | None = None,  # noqa: ASYNC109  (bounds the wait, as in lock())
         keep_alive: bool = False,
     ) -> AsyncIterator[DistributedLease]:
-        """:meth:`lock` for asyncio: ``async with provider.lock_async(name) as lease: ...``."""
+        """:meth:`lock` for asyncio: ``async with provider.lock_async(name) as lease: ...``.
+
+        Raises:
+            LockTimeout: Not granted within ``timeout``.
+            TypeError: An argument of the wrong type.
+            ValueError: Bad arguments.
+            LeaseStoreUnavailable: The store could not be reached (when acquiring, or when
+                releasing on a normal exit).
+            LeaseStoreMisconfigured: The store refused for good.
+            LeaseProviderClosed: The provider was closed.
+            LeaseLost: On a normal exit, the lease had been lost before it could be released.
+        """
         lease = await self.acquire_async(
             name, at_most_for, at_least_for, timeout=timeout, keep_alive=keep_alive
         )
@@ -801,6 +903,11 @@ class LeaseProvider(Closeable):
 
     def _listener_counts(self) -> tuple[int, int]:
         return 0, 0
+
+    def _held_count(self) -> int:
+        """Leases held through this provider (``rxcoord.leases.held``, read at collection)."""
+        with self._lock:
+            return len(self._held)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -916,6 +1023,8 @@ class LeaseProvider(Closeable):
                 self._lost += 1
             else:
                 self._released += 1
+        if lost:
+            self._telemetry.lost()
 
     def _forget_quietly(self, lease: DistributedLease) -> None:
         """Best effort for a lease known lost: free it if the store still has it as ours."""
@@ -964,6 +1073,7 @@ class _LeaseRun(JobRun):
     """
 
     __slots__ = (
+        "context",
         "job",
         "keep_alive",
         "lease",
@@ -988,8 +1098,10 @@ class _LeaseRun(JobRun):
         pending: LeaseWait,
         observer: abc.ObserverBase[Any],
         loop: asyncio.AbstractEventLoop | None,
+        context: contextvars.Context,
     ) -> None:
         super().__init__(observer, loop)
+        self.context = context  # the subscriber's, copied: the job and its work run in it
         self.provider = provider
         self.job = job
         self.pass_lease = pass_lease  # job(lease) rather than job() (see job_takes_lease)
@@ -1013,7 +1125,9 @@ class _LeaseRun(JobRun):
             return
         in_flight = False
         try:
-            in_flight = self._start_job(lease)
+            # In the subscriber's context: the job itself, and what starts its work (a
+            # coroutine's task is created in it, so it inherits the context too).
+            in_flight = self.context.run(self._start_job, lease)
         finally:
             if not in_flight:
                 with self.lock:

@@ -37,10 +37,11 @@ from rxcoord._errors import (
     LeaseLost,
     LeaseProviderClosed,
     LeaseReleasedError,
+    LeaseStoreMisconfigured,
     LeaseStoreUnavailable,
 )
 
-from ._validate import check_duration
+from .._core.checks import check_length
 
 if TYPE_CHECKING:
     from ._base import LeaseProvider
@@ -246,16 +247,23 @@ class DistributedLease:
                 the lease's ``at_most_for`` (and so the keep-alive period, a third of it).
 
         Raises:
-            LeaseLost: The lease expired, was taken over, released or already lost.
+            LeaseReleasedError: The lease was released by its holder (a bug in the caller's
+                bookkeeping, but nothing was lost; catch :class:`~rxcoord.LeaseNotHeld` for
+                this and :class:`~rxcoord.LeaseLost` alike).
+            LeaseLost: The lease expired or was taken over (the store refused to extend it),
+                or was already lost.
             LeaseStoreUnavailable: The store could not be reached; the lease is unchanged and
                 may still be held (retry, or treat it as lost once ``remaining`` runs out).
+            LeaseStoreMisconfigured: The store refused for good (the message names the fix).
             LeaseProviderClosed: The provider was closed.
-            ValueError: ``at_most_for <= 0``.
+            TypeError: ``at_most_for`` is not a number.
+            ValueError: ``at_most_for`` is not a finite number > 0, or beyond the store's
+                ``max_duration``.
         """
         most = (
             self.at_most_for
             if at_most_for is None
-            else check_duration("at_most_for", at_most_for, maximum=self._provider.max_duration)
+            else check_length(at_most_for, "at_most_for", maximum=self._provider.max_duration)
         )
         state = self._state
         if state is not _HELD:
@@ -293,6 +301,8 @@ class DistributedLease:
                 release, and the other holder keeps it).
             LeaseStoreUnavailable: The store could not be reached; the lease is still held and
                 ``release()`` may be called again.
+            LeaseStoreMisconfigured: The store refused for good; the lease is still held (and
+                expires on its own).
             LeaseProviderClosed: The provider was closed (and released the lease then).
         """
         self._finish_release(self._begin_release(forget_lost=True))
@@ -353,7 +363,11 @@ class DistributedLease:
         ``release_async()`` again raises :class:`LeaseReleasedError`, never a false loss.
 
         Raises:
-            As :meth:`release`.
+            LeaseReleasedError: The lease was already released (or its release is in flight).
+            LeaseLost: The lease had expired or been taken over.
+            LeaseStoreUnavailable: The store could not be reached; the lease is still held.
+            LeaseStoreMisconfigured: The store refused for good; the lease is still held.
+            LeaseProviderClosed: The provider was closed (and released the lease then).
         """
         loop = asyncio.get_running_loop()
         try:
@@ -384,7 +398,17 @@ class DistributedLease:
             )
 
     async def extend_async(self, at_most_for: float | None = None) -> None:
-        """:meth:`extend` for asyncio: the round trip runs in a worker thread."""
+        """:meth:`extend` for asyncio: the round trip runs in a worker thread.
+
+        Raises:
+            LeaseReleasedError: The lease was released by its holder.
+            LeaseLost: The lease expired or was taken over, or was already lost.
+            LeaseStoreUnavailable: The store could not be reached (the lease is unchanged).
+            LeaseStoreMisconfigured: The store refused for good.
+            LeaseProviderClosed: The provider was closed.
+            TypeError: ``at_most_for`` is not a number.
+            ValueError: ``at_most_for`` is not a finite number > 0.
+        """
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.extend, at_most_for)
 
@@ -431,7 +455,14 @@ class DistributedLease:
         return self._state is _HELD  # False, unless released concurrently (then it raised above)
 
     async def verify_async(self) -> bool:
-        """:meth:`verify` for asyncio: the round trip runs in a worker thread."""
+        """:meth:`verify` for asyncio: the round trip runs in a worker thread.
+
+        Raises:
+            LeaseReleasedError: The lease was released by its holder.
+            LeaseStoreUnavailable: The store could not be reached (nothing is concluded).
+            LeaseStoreMisconfigured: The store refused for good.
+            LeaseProviderClosed: The provider was closed.
+        """
         return await asyncio.get_running_loop().run_in_executor(None, self.verify)
 
     def _release_quietly(self) -> None:
@@ -473,7 +504,9 @@ class DistributedLease:
             if left is not None and left <= 0:
                 raise LeaseStoreUnavailable("no time left to release it before close() returns")
             ok = self._provider._store_release(self.name, self.token, timeout=left)
-        except LeaseStoreUnavailable as exc:
+        except (LeaseStoreUnavailable, LeaseStoreMisconfigured) as exc:
+            # close() must finish either way: a refusal for good (the user's rights revoked
+            # meanwhile) leaves the lease to expire on its own, as an outage does.
             error = LeaseLost(
                 f"lease {self.name!r} (token {self.token}) could not be released when its "
                 f"provider closed ({exc}); it expires on its own"
@@ -519,7 +552,8 @@ class DistributedLease:
         by the lease's expiry at the latest. Idempotent.
 
         Raises:
-            LeaseLost: The lease is not held any more.
+            LeaseLost: The lease was lost (expired or taken over).
+            LeaseReleasedError: The lease was released by its holder.
             LeaseProviderClosed: The provider was closed.
         """
         with self._lock:

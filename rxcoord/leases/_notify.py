@@ -256,6 +256,17 @@ class Listener(ABC):
 
     # -- called by the hub (any thread) -------------------------------------------------------
 
+    def watching(self, name: str) -> bool:
+        """True while a waiter of this provider wants ``name``'s notifications (any thread).
+
+        Set before the subscription is sent and kept until the last waiter of the name leaves,
+        so every attempt a waiter makes after its subscription is confirmed sees True: the
+        stores whose releases notify only marked leases (PostgreSQL, Redis) have such attempts
+        mark the lease they find (see their module docstrings).
+        """
+        sub = self._subs.get(name)  # one dict read: atomic, no lock needed
+        return sub is not None and sub.wanted
+
     def want(self, name: str) -> threading.Event:
         with self._lock:
             sub = self._subs.get(name)

@@ -15,7 +15,7 @@ def leases_from_url(url: str, **options: object) -> LeaseProvider:
     """Open the lease provider a URL names.
 
     * ``memory://`` - :class:`MemoryLeases` (a private in-process store);
-    * ``sqlite:///abs/path.db``, ``sqlite://relative.db`` - :class:`SqliteLeases`;
+    * ``sqlite:///abs/path.db`` (``sqlite://`` then an absolute path) - :class:`SqliteLeases`;
     * ``postgresql://...`` or ``postgres://...`` - :class:`PostgresLeases`;
     * ``redis://...``, ``rediss://...``, ``unix://...`` - :class:`RedisLeases`.
 
@@ -24,7 +24,10 @@ def leases_from_url(url: str, **options: object) -> LeaseProvider:
         **options: Keyword arguments for the provider (``table=``, ``prefix=``...).
 
     Raises:
-        ValueError: Unknown scheme (the message lists the known ones) or empty SQLite path.
+        ValueError: Unknown scheme (the message lists the known ones), or an SQLite URL
+            without an absolute path (``sqlite://rel.db``; the message shows the right form).
+        LeaseStoreMisconfigured: As the provider's constructor (an SQLite file in a directory
+            that does not exist or cannot be written).
         ImportError: The backend's driver is missing (the message says which extra to
             install: ``pip install 'rxcoord[postgres]'``).
     """

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Final, TypeVar
 
 from loguru import logger
 
+from rxcoord._core.telemetry import LeaseOutcome
 from rxcoord._core.timer import TimerHandle, call_later
 from rxcoord._core.waiter import PENDING, Waiter
 from rxcoord._core.workers import WorkerPool
@@ -103,6 +104,7 @@ class LeaseWait:
     """
 
     __slots__ = (
+        "begun",
         "deadline",
         "least",
         "most",
@@ -127,8 +129,10 @@ class LeaseWait:
         *,
         skip_taken: bool,
         deadline: float | None,
+        begun: float,
     ) -> None:
         self.name = name
+        self.begun = begun  # telemetry's stamp of the request (0.0: not recorded)
         self.most = most
         self.least = least
         self.timeout = timeout
@@ -235,6 +239,7 @@ class Waits:
         self._count = 0
         self._closed = False
         self._pool = WorkerPool(WORKERS, f"rxcoord-{provider.backend}-lease-wait")
+        self._telemetry = provider._telemetry
 
     # -- the waiter's side ------------------------------------------------------------------------
 
@@ -247,11 +252,26 @@ class Waits:
         *,
         skip_taken: bool = False,
         deadline: float | None = None,
+        begun: float | None = None,
     ) -> LeaseWait:
-        """A wait, not started yet; bind to its ``waiter`` first, then :meth:`start` it."""
+        """A wait, not started yet; bind to its ``waiter`` first, then :meth:`start` it.
+
+        ``begun``: when the request began, for ``rxcoord.lease.wait`` (default: now).
+        """
         if deadline is None and timeout is not None:
             deadline = monotonic() + timeout
-        return LeaseWait(self, name, most, least, timeout, skip_taken=skip_taken, deadline=deadline)
+        if begun is None:
+            begun = self._telemetry.begin()
+        return LeaseWait(
+            self,
+            name,
+            most,
+            least,
+            timeout,
+            skip_taken=skip_taken,
+            deadline=deadline,
+            begun=begun,
+        )
 
     def start(self, wait: LeaseWait) -> None:
         """Make the first attempt on a worker, then wait as needed."""
@@ -322,6 +342,7 @@ class Waits:
             wait.settled = True
             cleanup = self._remove_locked(wait)
         self._cleanup(cleanup)
+        self._telemetry.waited(wait.begun, "cancelled")
 
     def waiting(self) -> int:
         """Waits in a queue (registered with the hub, not settled)."""
@@ -372,6 +393,7 @@ class Waits:
             for wait in waits:
                 if wait.timer is not None:
                     wait.timer.cancel()
+                self._telemetry.waited(wait.begun, "failed")
                 wait.waiter.grant(Failure(error))
         # Attempts still queued run and find the provider closed (their waiters fail with it);
         # the workers exit once the queue is drained. Not waited for: close() may run on one.
@@ -416,6 +438,7 @@ class Waits:
         if decided:
             if wait.timer is not None:
                 wait.timer.cancel()
+            self._telemetry.waited(wait.begun, _outcome_name(outcome))
             wait.waiter.grant(outcome)  # released by the Waiter if its side has left
         else:
             self._release_unwanted(outcome)
@@ -565,6 +588,7 @@ class Waits:
             assert not isinstance(result, float)
             if winner.timer is not None:
                 winner.timer.cancel()
+            self._telemetry.waited(winner.begun, _outcome_name(result))
             winner.waiter.grant(result)
         if unwanted is not None:
             self._release_unwanted(unwanted)
@@ -610,6 +634,17 @@ class Waits:
                 timer.cancel()
             if watch is not None:
                 watch.close()
+
+
+def _outcome_name(outcome: Outcome) -> LeaseOutcome:
+    """What ``rxcoord.lease.wait`` calls the outcome of a wait."""
+    if isinstance(outcome, DistributedLease):
+        return "acquired"
+    if outcome.error is None:
+        return "taken"  # wait=False / try_acquire_async: the name was taken
+    if isinstance(outcome.error, LockTimeout):
+        return "timed_out"
+    return "failed"
 
 
 def _set_result(future: asyncio.Future[_R], value: _R) -> None:

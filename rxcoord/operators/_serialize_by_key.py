@@ -1,4 +1,4 @@
-"""The keyed serialization operator.
+"""The keyed serialization operator: a thin Rx adapter over the lane table.
 
 Why not compose it from RxPY's own operators? ``group_by`` + ``flat_map`` + ``concat_map`` keeps
 every group forever (a leak with distinct keys) and pays several operator layers per item, and
@@ -10,10 +10,10 @@ the two building blocks that would give a concurrency cap are not thread-safe in
 * a ``Subject`` calls its observers outside its lock, so emissions from several threads overlap
   downstream and can even follow ``on_completed``.
 
-So the operator keeps one small locked state per subscription: a dict of *lanes* (the active or
-ready inner of each key, with the items queued behind it), a FIFO of lanes that are ready but
-over the cap, and the active count. Per-key state exists only while the key has work, so
-distinct keys leave nothing behind. User code (key_mapper, mapper, inner subscriptions and the
+So each subscription keeps one lock around a :class:`~rxcoord._core.lanes.LaneTable` (per-key
+lanes, the ready FIFO over the cap: the same table the coordinator and the Kafka consumer order
+their work with), and this module adds only what is Rx: subscribing inners, serializing what goes
+downstream, and tearing down. User code (key_mapper, mapper, inner subscriptions and the
 downstream observer) is never called with the lock held.
 
 Downstream calls are serialized without blocking: whoever finds the observer idle delivers,
@@ -28,23 +28,22 @@ queue; a per-thread trampoline turns that recursion into a loop.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any, Final, Generic, TypeVar
 
-from reactivex import Observable, Observer, abc, from_future
+from reactivex import Observable, abc, from_future
 from reactivex.disposable import Disposable, SingleAssignmentDisposable
 from reactivex.internal.utils import is_future
-from reactivex.subject import Subject
 
-__all__ = ["SerializedSubscription", "serialize_by_key", "subscribe_serialized"]
+from .._core.checks import check_cap
+from .._core.lanes import LaneTable
+
+__all__ = ["serialize_by_key"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-
-_NO_CAP: Final = sys.maxsize
 
 
 class _Finished(abc.DisposableBase):
@@ -57,7 +56,6 @@ class _Finished(abc.DisposableBase):
 
 
 _FINISHED: Final = _Finished()
-_SOLO: Final = object()  # ``_Lane.key`` of a solo item (``push_solo``): not in ``_lanes``
 _COMPLETED: Final = object()  # the terminal notification "completed" in ``_Sink._terminal``
 
 
@@ -112,7 +110,7 @@ def serialize_by_key(
     # and the error then points at the line that built it.
     _check_callable("key_mapper", key_mapper)
     _check_callable("mapper", mapper)
-    cap = _check_cap(max_concurrent)
+    cap = check_cap(max_concurrent, "max_concurrent")
 
     def operator(source: Observable[_T]) -> Observable[_R]:
         def subscribe(
@@ -125,53 +123,6 @@ def serialize_by_key(
     return operator
 
 
-def subscribe_serialized(
-    source: Observable[_T] | None,
-    key_mapper: Callable[[_T], Hashable],
-    mapper: Callable[[_T], abc.ObservableBase[_R]] | None,
-    observer: abc.ObserverBase[_R],
-    *,
-    max_concurrent: int | None = None,
-    start: Callable[[_T, abc.ObserverBase[_R]], None] | None = None,
-) -> SerializedSubscription[_T, _R]:
-    """``source.pipe(serialize_by_key(...)).subscribe(observer)`` for rxcoord's own layers.
-
-    Returns the subscription itself: ``dispose()`` unsubscribes, and ``purge()`` drops queued
-    items that have become pointless (the coordinator's tasks cancelled while queued), which an
-    Rx subscription cannot express. With ``source=None`` the caller is the source and emits with
-    ``push(item)`` (thread-safe, like every source of this operator): the coordinator's sink,
-    minus a ``Subject``'s per-item lock and observer-list copy; ``claim(key)`` then starts an
-    item's turn without queuing it at all, when its key is idle and a slot is free.
-
-    ``start`` replaces ``mapper`` for a caller whose items run themselves: when an item's turn
-    comes, ``start(item, lane)`` is called instead of subscribing ``mapper(item)``, and the
-    item's work ends its turn by calling ``lane.on_completed()`` (or ``on_error``) exactly
-    once, as its inner Observable would. That is the inner-Observable protocol without a
-    subscription: no mapper call, no type checks, no disposable to keep (disposing the
-    subscription cannot stop such an item; its owner cancels it).
-    """
-    if mapper is None and start is None:
-        raise TypeError("subscribe_serialized: pass a mapper or a start function")
-    sink = _Sink(observer, None, key_mapper, mapper or _no_mapper, _check_cap(max_concurrent))
-    sink._direct = start
-    if source is None:
-        return sink  # the caller is the source: it calls ``push`` (no Subject in between)
-    if type(source) is Subject:
-        # A plain Subject emits nothing while it is subscribed, so Observable.subscribe's
-        # AutoDetachObserver and trampoline pass buy nothing; they were most of the cost of
-        # creating a coordinator (TenantScheduler creates one per tenant that wakes up).
-        sink._source_sub.disposable = source._subscribe_core(
-            Observer(sink._on_source_next, sink._on_source_error, sink._on_source_completed)
-        )
-    else:
-        sink.run(source)
-    return sink
-
-
-def _no_mapper(item: Any) -> Any:  # pragma: no cover - only with ``start``, which bypasses it
-    raise AssertionError("items of this subscription are started directly")
-
-
 def _check_callable(name: str, value: object) -> None:
     if not callable(value):
         raise TypeError(
@@ -179,35 +130,21 @@ def _check_callable(name: str, value: object) -> None:
         )
 
 
-def _check_cap(max_concurrent: int | None) -> int:
-    if max_concurrent is None:
-        return _NO_CAP
-    if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int):
-        raise TypeError(f"max_concurrent must be an int or None, not {max_concurrent!r}")
-    if max_concurrent < 1:
-        raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
-    return max_concurrent
-
-
 class _Lane(abc.ObserverBase[_R], Generic[_T, _R]):
-    """One key's current inner (active, or ready and waiting for a slot) and its queue.
+    """One source item in its key's lane, and the observer of its inner once it starts.
 
-    A lane is also the observer of its inner. When the inner completes and items are queued,
-    a new lane takes over the queue, so each inner subscription has an observer of its own and
-    a late disposable can never be confused with its successor's.
+    Each inner subscription has an observer of its own, so a late disposable can never be
+    confused with its successor's. After its terminal notification it ignores whatever a
+    misbehaving inner still sends (it is the inner's auto-detaching observer).
     """
 
-    __slots__ = ("item", "key", "pending", "sink", "sub")
+    __slots__ = ("item", "key", "sink", "sub")
 
     def __init__(self, sink: _Sink[_T, _R], key: Hashable, item: _T) -> None:
         self.sink = sink
         self.key = key
         self.item: _T | None = item  # dropped once the inner is subscribed
-        self.pending: deque[_T] | None = None  # items of this key queued behind this one
         self.sub: abc.DisposableBase | None = None  # None until subscribed, then _FINISHED
-
-    # The lane is the inner's auto-detaching observer (see _subscribe_inner): after its
-    # terminal notification it ignores whatever a misbehaving inner still sends.
 
     def on_next(self, value: _R) -> None:
         if self.sub is not _FINISHED:
@@ -234,9 +171,6 @@ class _Sink(Generic[_T, _R]):
     """The state of one subscription to a ``serialize_by_key`` Observable."""
 
     __slots__ = (
-        "_active",
-        "_cap",
-        "_direct",
         "_done",
         "_emitting",
         "_key_mapper",
@@ -245,7 +179,6 @@ class _Sink(Generic[_T, _R]):
         "_mapper",
         "_observer",
         "_queue",
-        "_ready",
         "_scheduler",
         "_source_done",
         "_source_sub",
@@ -265,12 +198,8 @@ class _Sink(Generic[_T, _R]):
         self._scheduler = scheduler
         self._key_mapper = key_mapper
         self._mapper = mapper
-        self._direct: Callable[[_T, abc.ObserverBase[_R]], None] | None = None
-        self._cap = cap
         self._lock = threading.Lock()
-        self._lanes: dict[Hashable, _Lane[_T, _R]] = {}
-        self._ready: deque[_Lane[_T, _R]] = deque()  # over the cap, in the order they got ready
-        self._active = 0  # inners subscribed (or being subscribed) and not yet terminated
+        self._lanes: LaneTable[Hashable, _Lane[_T, _R]] = LaneTable(cap)
         self._source_done = False
         self._done = False  # terminated or disposed: no more work, no more state
         self._emitting = False  # a thread is delivering to the observer
@@ -297,134 +226,13 @@ class _Sink(Generic[_T, _R]):
         except Exception as exc:
             self.fail(exc)
             return
-        # Explicit acquire/release on the two per-item paths: half the cost of a ``with``.
-        lock = self._lock
-        lock.acquire()
-        try:
-            if self._done:
-                return
-            lane = self._lanes.get(key)
-            if lane is not None:  # the key is busy: queue behind it
-                if lane.pending is None:
-                    lane.pending = deque((item,))
-                else:
-                    lane.pending.append(item)
-                return
-            lane = _Lane(self, key, item)
-            self._lanes[key] = lane
-            if self._active >= self._cap:
-                self._ready.append(lane)
-                return
-            self._active += 1
-        finally:
-            lock.release()
-        self._start(lane)
-
-    # Emit an item as the source would (see ``subscribe_serialized(None, ...)``): the source
-    # side itself, no call in between.
-    push = _on_source_next
-
-    def claim(self, key: Hashable) -> abc.ObserverBase[_R] | None:
-        """Start an item's turn now, without queuing it: its lane, or None (then ``push`` it).
-
-        Granted only when ``key`` has no item active or queued and a slot is free, i.e. exactly
-        when ``push`` would have started the item at once; the caller then runs the item's
-        work itself and ends the turn with the lane's ``on_completed()``. Items of ``key``
-        pushed meanwhile queue behind it, as behind any active item. Nothing is ever
-        overtaken: a key with queued items is not idle, and a free slot means no ready lane
-        is waiting for one (lanes wait in ``_ready`` only while the cap is reached).
-        """
-        # A look without the lock first: under a backlog (the common refusal) it saves the
-        # lock. Stale is harmless: a refusal just means ``push``, which decides under the lock.
-        if self._active >= self._cap or key in self._lanes:
-            return None
-        lock = self._lock
-        lock.acquire()
-        try:
-            if self._done or self._active >= self._cap or key in self._lanes:
-                return None
-            lane: _Lane[_T, _R] = _Lane(self, key, None)  # type: ignore[arg-type]
-            self._lanes[key] = lane
-            self._active += 1
-            return lane
-        finally:
-            lock.release()
-
-    # Solo items have a key of their own that no other item can share (the coordinator's
-    # unkeyed tasks): they only share the cap, so they never enter ``_lanes``. That keeps the
-    # key table to real keys (no item can collide with a solo one, whatever its ``__eq__``)
-    # and saves a hash and two dict operations per item. Only with ``start=``: a solo lane
-    # holds no subscription for ``dispose`` to reach.
-
-    def push_solo(self, item: _T) -> None:
-        """``push`` for an item that shares no key with any other (see above)."""
-        assert self._direct is not None, "solo items need start="
-        lock = self._lock
-        lock.acquire()
-        try:
-            if self._done:
-                return
-            lane: _Lane[_T, _R] = _Lane(self, _SOLO, item)
-            if self._active >= self._cap:
-                self._ready.append(lane)
-                return
-            self._active += 1
-        finally:
-            lock.release()
-        self._start(lane)
-
-    def claim_solo(self) -> abc.ObserverBase[_R] | None:
-        """``claim`` for a solo item: a lane if a slot is free, else None (``push_solo`` it)."""
-        assert self._direct is not None, "solo items need start="
-        if self._active >= self._cap:  # a look without the lock first, as in ``claim``
-            return None
-        lock = self._lock
-        lock.acquire()
-        try:
-            if self._done or self._active >= self._cap:
-                return None
-            self._active += 1
-            lane: _Lane[_T, _R] = _Lane(self, _SOLO, None)  # type: ignore[arg-type]
-            return lane
-        finally:
-            lock.release()
-
-    def purge(self, is_dead: Callable[[_T], bool]) -> int:
-        """Drop queued items (never subscribed) for which ``is_dead`` is true; how many.
-
-        Items keep their order; an item whose inner is active, or about to be subscribed, is
-        never touched. ``is_dead`` runs with the lock held, so it must be a cheap check that
-        calls no user code. The cost is one pass over the queued items.
-        """
+        lane = _Lane(self, key, item)
         with self._lock:
             if self._done:
-                return 0
-            removed = 0
-            ready: deque[_Lane[_T, _R]] = deque()
-            for lane in self._ready:  # ready lanes are not subscribed yet: their item may go
-                if is_dead(lane.item):  # type: ignore[arg-type]
-                    removed += 1
-                    pending = lane.pending
-                    while pending and is_dead(pending[0]):
-                        pending.popleft()
-                        removed += 1
-                    if not pending:
-                        if lane.key is not _SOLO:
-                            del self._lanes[lane.key]  # the key has no work left
-                        continue
-                    lane.item = pending.popleft()  # the next live item takes the lane's place
-                ready.append(lane)
-            self._ready = ready
-            for lane in self._lanes.values():
-                pending = lane.pending
-                if pending:
-                    live = deque(item for item in pending if not is_dead(item))
-                    if len(live) < len(pending):
-                        removed += len(pending) - len(live)
-                        lane.pending = live
-        # No completion to check: lanes are ready only while the cap is reached, so the active
-        # lanes (in ``_lanes`` until they complete) outlive any purge.
-        return removed
+                return
+            start = self._lanes.add(key, lane)
+        if start:
+            self._start(lane)
 
     def _on_source_error(self, error: Exception) -> None:
         self.fail(error)
@@ -434,7 +242,7 @@ class _Sink(Generic[_T, _R]):
             if self._done:
                 return
             self._source_done = True
-            if self._lanes or self._active:  # (solo lanes are active without being in _lanes)
+            if not self._lanes.idle:
                 return
             deliver = self._terminate(_COMPLETED)
         if deliver:
@@ -443,33 +251,15 @@ class _Sink(Generic[_T, _R]):
     # -- inner side --------------------------------------------------------------------------
 
     def lane_completed(self, lane: _Lane[_T, _R]) -> None:
-        start: _Lane[_T, _R] | None = None
         deliver = False
-        lock = self._lock
-        lock.acquire()
-        try:
+        with self._lock:
             if self._done:
                 return
             finished = lane.sub  # its subscription, if subscribe() has returned already
             lane.sub = _FINISHED
-            self._active -= 1
-            pending = lane.pending
-            if pending:
-                successor = _Lane(self, lane.key, pending.popleft())
-                if pending:
-                    successor.pending = pending
-                self._lanes[lane.key] = successor
-                self._ready.append(successor)
-            elif lane.key is not _SOLO:
-                del self._lanes[lane.key]
-            ready = self._ready
-            if ready and self._active < self._cap:
-                start = ready.popleft()
-                self._active += 1
-            elif self._source_done and not self._lanes and not self._active:
+            start = self._lanes.finish(lane.key)
+            if start is None and self._source_done and self._lanes.idle:
                 deliver = self._terminate(_COMPLETED)
-        finally:
-            lock.release()
         if finished is not None:
             finished.dispose()
         if start is not None:
@@ -485,19 +275,9 @@ class _Sink(Generic[_T, _R]):
             queue.append(lane)
             return
         trampoline.active = True
-        direct = self._direct
         try:
             while True:
-                if direct is None:
-                    self._subscribe_inner(lane)
-                elif not self._done:  # (_subscribe_inner's direct case, inlined)
-                    item = lane.item
-                    lane.item = None
-                    try:
-                        direct(item, lane)  # type: ignore[arg-type]
-                    except Exception as exc:
-                        if lane.sub is _FINISHED or not self.fail(exc):
-                            raise
+                self._subscribe_inner(lane)
                 if not queue:
                     return
                 lane = queue.popleft()
@@ -510,14 +290,6 @@ class _Sink(Generic[_T, _R]):
             return
         item = lane.item
         lane.item = None
-        direct = self._direct
-        if direct is not None:  # the item runs itself and completes the lane (see ``start``)
-            try:
-                direct(item, lane)  # type: ignore[arg-type]
-            except Exception as exc:
-                if lane.sub is _FINISHED or not self.fail(exc):
-                    raise
-            return
         try:
             inner: Any = self._mapper(item)  # type: ignore[arg-type]
             if not isinstance(inner, abc.ObservableBase):
@@ -531,9 +303,9 @@ class _Sink(Generic[_T, _R]):
             return
         if type(inner).subscribe is Observable.subscribe:
             # Observable.subscribe wraps every subscription in an AutoDetachObserver and a pass
-            # through the CurrentThreadScheduler trampoline; that is most of the per-item cost.
-            # The lane already detaches itself, and _start is our trampoline, so subscribe the
-            # core directly (about 2.5x faster per item) and do AutoDetachObserver's work here.
+            # through the CurrentThreadScheduler trampoline; that is most of the per-item cost
+            # (benchmarks/bench_serialize.py). The lane already detaches itself, and _start is
+            # our trampoline, so subscribe the core directly and do AutoDetachObserver's work.
             try:
                 sub = inner._subscribe_core(lane, self._scheduler)
             except Exception as exc:
@@ -627,23 +399,16 @@ class _Sink(Generic[_T, _R]):
 
     # The observer raised from on_next: it is broken, so tear down as Rx's SafeObserver does.
     _downstream_failed = _dispose
-    dispose = _dispose  # as the handle subscribe_serialized returns
 
     def _close(self) -> list[_Lane[_T, _R]]:
         """Mark the subscription done and hand back its lanes to dispose (lock held)."""
         self._done = True
-        lanes = list(self._lanes.values())
-        self._lanes.clear()
-        self._ready.clear()
-        return lanes
+        return self._lanes.clear()
 
     @staticmethod
     def _dispose_lanes(lanes: list[_Lane[_T, _R]]) -> None:
         for lane in lanes:
-            lane.pending = None
+            lane.item = None
             sub = lane.sub
             if sub is not None:
                 sub.dispose()
-
-
-SerializedSubscription = _Sink

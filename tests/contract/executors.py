@@ -3,6 +3,13 @@
 ``build(kind, ...)`` makes a ``TenantTaskCoordinator`` or a ``TenantScheduler`` seen through one
 tenant; ``Executor`` is the adapter the contract tests talk to (``execute(job, key=, timeout=)``,
 ``stats()``, live counts, ``state``, ``close()``, and ``target``: the object itself).
+
+The kinds cover every path a job can take: the plain coordinator (the job passed as it is),
+the coordinator with each job written as ``lambda: job()`` (the README's shape: a sync callable
+that may return an awaitable, so the code cache and the loop hand-back are on the path), the
+coordinator behind an admission (a fair-share gate too large to matter: every job is gated,
+asks for a permit and gives it back), and a scheduler's tenant. The tests themselves subscribe,
+await and ``.run()``.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from rxcoord import (
     TenantScheduler,
     TenantTaskCoordinator,
 )
+from rxcoord._admission import FairShareGate
 
-IMPLEMENTATIONS = ("coordinator", "scheduler-tenant")
+IMPLEMENTATIONS = ("coordinator", "coordinator-lambda", "coordinator-admission", "scheduler-tenant")
 GLOBAL_LIMIT = 64  # the scheduler's global limit: never the bottleneck in the contract tests
 
 
@@ -41,6 +49,8 @@ class Executor:
     ) -> Observable[Any]:
         if isinstance(self.target, TenantScheduler):
             return self.target.execute(self.name, job, key=key, timeout=timeout)
+        if self.kind == "coordinator-lambda" and callable(job):
+            return self.target.execute(lambda: job(), key=key, timeout=timeout)
         return self.target.execute(job, key=key, timeout=timeout)
 
     def stats(self) -> CoordinatorStats | SchedulerStats:
@@ -110,13 +120,16 @@ def build(
     name: str = "test",
 ) -> Executor:
     """A coordinator, or a scheduler seen through its tenant ``name``, with these limits."""
-    if kind == "coordinator":
+    if kind.startswith("coordinator"):
         coordinator = TenantTaskCoordinator(
             max_concurrency=max_concurrency,
             max_queue_size=max_queue_size,
             timeout=timeout,
             scheduler=scheduler,
             name=name,
+            admission=(
+                FairShareGate(GLOBAL_LIMIT).lane(1.0) if kind == "coordinator-admission" else None
+            ),
         )
         return Executor(kind, coordinator, name)
     assert kind == "scheduler-tenant", kind

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import reactivex
-from execution_support import WAIT, Gate, Outcome, ThreadedVirtualScheduler
 from loguru import logger
 from reactivex import abc
 from reactivex import operators as ops
 from reactivex.testing import TestScheduler
+from support.execution import WAIT, Gate, Outcome, ThreadedVirtualScheduler
 
 from rxcoord import CoordinatorClosed, CoordinatorState, TooManyTasks
 

@@ -371,7 +371,12 @@ def _memory_store(request: pytest.FixtureRequest, tmp_path: Path, suffix: str) -
     def make_memory(**kw: object) -> LeaseProvider:
         return MemoryLeases(store, **kw)
 
-    return Backend("memory", make_memory, None, records=lambda: store.stats().names)
+    return Backend(
+        "memory",
+        make_memory,
+        None,
+        records=lambda: store.stats().names + store.permit_groups(),  # leases + fleet groups
+    )
 
 
 def _sqlite_store(request: pytest.FixtureRequest, tmp_path: Path, suffix: str) -> Backend:

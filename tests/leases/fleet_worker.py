@@ -6,9 +6,13 @@ Usage: ``python fleet_worker.py SPEC`` where SPEC is JSON::
      "name": "pay", "limit": 6, "tenant_limit": 2, "permit_at_most_for": 30.0,
      "fifo": null,                            # a Redis URL: the FIFO baseline instead (below)
      "jobs": [[tenant, hold_seconds], ...],   # submitted at once, in this order
+     "rate": [count, per, burst] or null,     # TenantScheduler(rate=Rate(...))
+     "tenant_rate": [count, per, burst] or null,
+     "start_at": null,                        # CLOCK_MONOTONIC time to submit at (default: now)
      "log": "/path/log"}                      # one line per event, appended
 
-Each job appends ``start <pid> <tenant> <token> <t>`` when it begins and ``end ...`` when it
+Each job appends ``start <pid> <tenant> <token> <t> <granted_at>`` when it begins (``granted_at``:
+the store's clock when it granted the permit, the start the rates counted) and ``end ...`` when it
 returns (``t`` is CLOCK_MONOTONIC, one clock for every process of the machine), each line one
 ``os.write`` on an ``O_APPEND`` file, so lines of concurrent processes never interleave and a
 process killed with ``kill -9`` leaves whole lines. Every job's outcome is appended as ``done
@@ -32,7 +36,7 @@ from typing import Any
 
 from loguru import logger
 
-from rxcoord import TenantScheduler, current_permit
+from rxcoord import Rate, TenantScheduler, current_permit
 from rxcoord.leases import leases_from_url
 
 
@@ -54,6 +58,11 @@ def main() -> None:
         print(json.dumps({"finished": True}), flush=True)
         return
     provider = leases_from_url(spec["url"], **spec["options"])
+    rates = {
+        option: Rate(spec[option][0], per=spec[option][1], burst=spec[option][2])
+        for option in ("rate", "tenant_rate")
+        if spec.get(option)
+    }
     runner = TenantScheduler(
         spec["limit"],
         tenant_max_concurrency=spec["tenant_limit"],
@@ -61,6 +70,8 @@ def main() -> None:
         name=spec["name"],
         fleet=provider,
         permit_at_most_for=spec["permit_at_most_for"],
+        rate=rates.get("rate"),
+        tenant_rate=rates.get("tenant_rate"),
     )
 
     def dump(*_: object) -> None:  # kill -USR1: the state of a member that seems stuck
@@ -78,7 +89,7 @@ def main() -> None:
             )
             for t, c in runner._tenants.items():
                 out.write(f"{t}: {c.coordinator.stats()}\n")
-                for task in c.coordinator._tasks:
+                for task in c.coordinator._table.live():
                     out.write(
                         f"   task state={task.state} settled={task.settled} "
                         f"ticket={task.ticket!r}\n"
@@ -95,7 +106,7 @@ def main() -> None:
         def job() -> int:
             permit = current_permit()
             assert permit is not None
-            log(f"start {pid} {tenant} {permit.token} {time.monotonic()!r}")
+            log(f"start {pid} {tenant} {permit.token} {time.monotonic()!r} {permit.granted_at!r}")
             time.sleep(hold)
             log(f"end {pid} {tenant} {permit.token} {time.monotonic()!r}")
             return permit.token
@@ -109,6 +120,8 @@ def main() -> None:
             if left[0] == 0:
                 all_done.set()
 
+    if spec.get("start_at"):  # CLOCK_MONOTONIC: members started one after another begin together
+        time.sleep(max(0.0, float(spec["start_at"]) - time.monotonic()))
     for tenant, hold in jobs:
         submitted = time.monotonic()
         observable = runner.execute(tenant, make(tenant, hold))

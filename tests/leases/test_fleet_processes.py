@@ -8,7 +8,10 @@ on CLOCK_MONOTONIC (one clock for the machine), and an invariant checker replays
   ``permit_at_most_for`` plus a margin, and the limits hold meanwhile;
 * ``SIGSTOP`` past expiry: the stopped member's jobs get ``LeaseLost`` and their tokens are
   smaller than those of the jobs that took their permits;
-* fairness: one tenant flooding from one process does not starve light tenants on others.
+* fairness: one tenant flooding from one process does not starve light tenants on others;
+* rates: the bound over every member's starts (the store's grant times exactly, the logged
+  start times with a small lag allowed), and a member killed or paused while waiting for the
+  rate slows the others no longer than its demand lasts.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.rates import assert_within_rate
+
+from rxcoord import Rate
 
 from .conftest import Backend, stop_process, wait_until
 
@@ -99,6 +105,8 @@ class Fleet:
         self.procs: list[subprocess.Popen[str]] = []
 
     def start(self, jobs: list[tuple[str, float]], **spec: Any) -> subprocess.Popen[str]:
+        """Start a member; unless ``ready=False``, wait until it has submitted its jobs."""
+        ready = bool(spec.pop("ready", True))
         payload = {
             "url": self.backend.url,
             "options": self.backend.options,
@@ -117,10 +125,14 @@ class Fleet:
             text=True,
         )
         self.procs.append(proc)
+        if ready:
+            self.ready(proc)
+        return proc
+
+    def ready(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert json.loads(line) == {"ready": True}, f"worker failed to start: {line!r}"
-        return proc
 
     def finish(self, proc: subprocess.Popen[str], timeout: float = 90.0) -> None:
         assert proc.stdout is not None
@@ -271,3 +283,83 @@ def test_a_flooding_tenant_does_not_starve_light_tenants_on_other_processes(
         f"{fifo * 1000:.0f} ms ({fifo / fair:.1f}x)"
     )
     assert fifo >= 10 * fair
+
+
+# -- rates ------------------------------------------------------------------------------------
+
+
+def rate_spec(rate: Rate) -> list[float]:
+    return [rate.count, rate.per, rate.burst]
+
+
+def test_rates_hold_across_four_processes(fleet: Fleet) -> None:
+    """Four members, three tenants, a fleet rate and a tenant rate: the sweep over the store's
+    grant times holds exactly; over the jobs' own start times (logged a moment after their
+    grant, on CLOCK_MONOTONIC, one clock for the machine) with 100 ms of that lag allowed (four
+    processes on a loaded 2-core box)."""
+    rate = Rate(40, per=1.0, burst=4)
+    tenant_rate = Rate(15, per=1.0, burst=2)
+    rng = random.Random(23)
+    procs = []
+    start_at = time.monotonic() + 4.0  # every member started and imported by then
+    for _ in range(4):
+        jobs = [(f"t{rng.randrange(3)}", rng.uniform(0.0, 0.01)) for _ in range(30)]
+        spec = {"rate": rate_spec(rate), "tenant_rate": rate_spec(tenant_rate)}
+        procs.append(fleet.start(jobs, ready=False, start_at=start_at, **spec))
+    for proc in procs:
+        fleet.ready(proc)
+    for proc in procs:
+        fleet.finish(proc)
+    events = fleet.events()
+    done = [e for e in events if e.kind == "done"]
+    assert len(done) == 120
+    assert all(e.rest[-1] == "ok" for e in done), [e for e in done if e.rest[-1] != "ok"][:3]
+    starts = [e for e in events if e.kind == "start"]
+    assert_within_rate([float(e.rest[0]) for e in starts], rate)
+    assert_within_rate([e.t for e in starts], rate, slack=0.1)
+    for tenant in ("t0", "t1", "t2"):
+        mine = [e for e in starts if e.tenant == tenant]
+        assert_within_rate([float(e.rest[0]) for e in mine], tenant_rate)
+        assert_within_rate([e.t for e in mine], tenant_rate, slack=0.1)
+    assert len({e.pid for e in starts}) == 4
+    check_limits(events, limit=6, tenant_limit=2)
+    # While all three tenants have work (their rates add up to more than the fleet's, which
+    # then binds), the fleet's rate is used, not wasted by waiters waking late.
+    granted = sorted(float(e.rest[0]) for e in starts)[:90]
+    assert (len(granted) - rate.burst) / (granted[-1] - granted[0]) >= 0.8 * 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill -9", "SIGSTOP"])
+def test_a_dead_or_paused_member_holds_nothing_that_slows_the_others(
+    fleet: Fleet, how: str
+) -> None:
+    """A member waiting for the fleet's rate dies (or stops) with jobs queued. Its jobs took
+    no token while waiting and hold no permit; its demand (which reserves group tokens for
+    its tenant, further behind than the survivor's) lapses after demand_for (3 s). From then
+    on the survivors get the whole rate. (A burst of 3 absorbs the lateness of a waiter's
+    wake-up and round trip, which at burst 1 is time lost at every start.)"""
+    rate = Rate(20, per=1.0, burst=3)
+    spec = {"rate": rate_spec(rate), "limit": 8, "tenant_limit": 8}
+    victim = fleet.start([("v", 0.0)] * 200, **spec)
+    wait_until(lambda: sum(e.kind == "start" for e in fleet.events()) >= 5, 30.0, "victim runs")
+    survivor = fleet.start([("s", 0.0)] * 220, **spec)
+    time.sleep(1.0)  # both compete for the rate's tokens
+    stopped_at = time.monotonic()
+    if how == "kill -9":
+        victim.kill()
+        victim.wait()
+    else:
+        os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        fleet.finish(survivor)
+    finally:
+        if how == "SIGSTOP":
+            os.kill(victim.pid, signal.SIGCONT)
+    events = fleet.events()
+    starts = [e for e in events if e.kind == "start"]
+    assert_within_rate([float(e.rest[0]) for e in starts], rate)
+    after = sorted(e.t for e in starts if e.pid == survivor.pid and e.t > stopped_at + 3.5)
+    assert len(after) > 60
+    achieved = (len(after) - 1) / (after[-1] - after[0])
+    assert achieved >= 0.85 * 20, f"the survivor got {achieved:.1f}/s of the 20/s rate"

@@ -14,6 +14,7 @@ import pytest
 from rxcoord.leases import (
     DistributedLease,
     LeaseProvider,
+    LeaseStoreMisconfigured,
     MemoryLeases,
     MemoryLeaseStore,
     MemoryLeaseStoreStats,
@@ -323,6 +324,21 @@ def test_leases_from_url_picks_the_backend(tmp_path: Path) -> None:
         leases_from_url("sqlite://")
 
 
+def test_an_sqlite_url_with_a_relative_path_is_refused_with_the_right_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sqlite://rel.db reads as the host "rel.db"; it was opened silently relative to the
+    # working directory of whichever process read the configuration (issue 26).
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="names no absolute path") as caught:
+        leases_from_url("sqlite://rel.db")
+    assert f"sqlite://{tmp_path / 'rel.db'} (three slashes)" in str(caught.value)
+    assert not (tmp_path / "rel.db").exists()
+    with leases_from_url(f"sqlite://{tmp_path / 'rel.db'}") as leases:  # the form it shows
+        assert isinstance(leases, SqliteLeases)
+        assert leases.path == str(tmp_path / "rel.db")
+
+
 @pytest.mark.backend
 def test_leases_from_url_opens_server_backends(postgres_url: str, redis_url: str) -> None:
     table = f"url_{uuid.uuid4().hex[:8]}"
@@ -366,10 +382,96 @@ def test_an_unreachable_postgres_is_a_clear_error(unreachable_port: int) -> None
         leases.try_acquire("n", 1.0)
 
 
-def test_an_unopenable_sqlite_file_is_a_clear_error_and_not_an_outage(tmp_path: Path) -> None:
-    from rxcoord.leases import LeaseStoreMisconfigured
+def test_an_sqlite_file_whose_directory_is_missing_is_refused_at_construction(
+    tmp_path: Path,
+) -> None:
+    # Refused where the mistake is made, not at the first grant (issue 26).
+    with pytest.raises(LeaseStoreMisconfigured, match="does not exist: create it") as caught:
+        SqliteLeases(tmp_path / "missing" / "dir" / "x.db")
+    assert str(tmp_path / "missing" / "dir") in str(caught.value)
+    assert not isinstance(caught.value, ConnectionError)  # retry loops must not spin on it
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(LeaseStoreMisconfigured, match="is not a directory"):
+        SqliteLeases(tmp_path / "a-file" / "x.db")
+    with pytest.raises(LeaseStoreMisconfigured, match="it is a directory"):
+        SqliteLeases(tmp_path)
+    with SqliteLeases(tmp_path / "x.db") as fine, SqliteLeases(":memory:") as private:
+        for leases in (fine, private):
+            lease = leases.try_acquire("n", 1.0)
+            assert lease is not None
+            lease.release()
 
-    with SqliteLeases(tmp_path / "missing" / "dir" / "x.db") as leases:
+
+def _construct_as_nobody(path: Path) -> str:
+    """``SqliteLeases(path)`` in a forked child without root's privileges: its error, or ''.
+
+    Root may write anywhere, so the check can only be seen failing as another user. A fork
+    (not a new interpreter, which that user could not start from root's home) keeps the
+    imported modules; the child does nothing but the constructor's checks and exits.
+    """
+    import os
+    import warnings
+
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads running
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.setgid(65534)
+            os.setuid(65534)  # nobody
+            try:
+                SqliteLeases(path).close()
+                message = ""
+            except LeaseStoreMisconfigured as exc:
+                message = str(exc)
+            os.write(write, message.encode() or b"-")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return "" if said == "-" else said
+
+
+def test_an_sqlite_file_in_a_directory_it_may_not_write_is_refused_at_construction(
+    tmp_path: Path,
+) -> None:
+    import os
+    import tempfile
+
+    # Not under tmp_path: pytest's temporary root is private to its owner, so another user
+    # could not even reach it.
+    with tempfile.TemporaryDirectory(prefix="rxcoord-ro-") as top:
+        Path(top).chmod(0o755)
+        locked = Path(top) / "read-only"
+        locked.mkdir()
+        locked.chmod(0o555)
+        writable = Path(top) / "writable"
+        writable.mkdir()
+        writable.chmod(0o777)
+        try:
+            if os.geteuid() == 0:
+                refused = _construct_as_nobody(locked / "x.db")
+                assert "may not write in its directory" in refused, refused
+                assert _construct_as_nobody(writable / "x.db") == ""  # same user, a good path
+            else:
+                with pytest.raises(LeaseStoreMisconfigured, match="may not write in its dir"):
+                    SqliteLeases(locked / "x.db")
+        finally:
+            locked.chmod(0o755)
+    if os.geteuid() == 0:  # a directory on the way it may not enter
+        assert "cannot be reached: Permission denied" in _construct_as_nobody(tmp_path / "x.db")
+
+
+def test_an_sqlite_store_that_disappears_after_construction_is_not_an_outage(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "gone"
+    directory.mkdir()
+    with SqliteLeases(directory / "x.db") as leases:
+        directory.rmdir()
         with pytest.raises(LeaseStoreMisconfigured, match="directory exists") as caught:
             leases.try_acquire("n", 1.0)
         assert not isinstance(caught.value, ConnectionError)  # retry loops must not spin on it

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from loguru import logger
@@ -24,6 +25,7 @@ from rxcoord.leases import (
     LeaseStoreUnavailable,
     PostgresLeases,
     RedisLeases,
+    leases_from_url,
 )
 
 from .conftest import wait_until
@@ -188,6 +190,29 @@ def test_a_wrong_or_missing_redis_password_fails_at_once_naming_the_fix(
         assert "password" in str(error)
         assert elapsed < WELL_BEFORE_THE_TIMEOUT
     with RedisLeases(f"redis://:right@127.0.0.1:{port}/0", timeout=TIMEOUT) as leases:
+        lease = leases.try_acquire("n", 1.0)
+        assert lease is not None
+        lease.release()
+
+
+def test_a_redis_database_the_server_does_not_have_is_a_configuration_error(
+    redis_url: str,
+) -> None:
+    # SELECT of a missing database is refused on every connection: a retry loop written for
+    # outages would spin on it forever, so it must not read as one (issue 26).
+    import redis
+
+    with redis.Redis.from_url(redis_url) as client:
+        databases = int(client.config_get("databases")["databases"])  # indexes 0..databases-1
+    missing = urlsplit(redis_url)._replace(path=f"/{databases}").geturl()
+    with leases_from_url(missing, timeout=TIMEOUT) as leases:
+        assert isinstance(leases, RedisLeases)
+        error, elapsed = _refused(leases)
+    assert f"the server has no database {databases}" in str(error)
+    assert "redis://host:port/0" in str(error)  # the fix
+    assert elapsed < WELL_BEFORE_THE_TIMEOUT
+    existing = urlsplit(redis_url)._replace(path=f"/{databases - 1}").geturl()
+    with RedisLeases(existing, timeout=TIMEOUT) as leases:
         lease = leases.try_acquire("n", 1.0)
         assert lease is not None
         lease.release()

@@ -4,6 +4,10 @@ These call the three store primitives directly: what a fleet admission builds on
 is one promise of the table: limits in one atomic step, tokens from the store-wide sequence,
 the stride rule's reservation for a tenant further behind, demand that expires, permits that
 expire and can be extended, notifications on release, and nothing left once a group is idle.
+Rates (the group's and a tenant's, ``(interval, burst)``) are granted in the same step, on the
+store's clock: the bound per step, the wait the store reports, no reservation for a tenant
+over its own rate, group tokens reserved for a tenant further behind, and rate state and
+abandoned groups that leave the store once expired.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import uuid
 import pytest
 
 from rxcoord.leases import LeaseProvider
-from rxcoord.leases._permits import PermitReply, hub_name
+from rxcoord.leases._permits import PermitReply, RateArgs, hub_name
 
 from .conftest import Backend, wait_until
 
@@ -33,9 +37,21 @@ def acquire(
     most: float = LONG,
     demand_for: float = LONG,
     more: bool = False,
+    rate: RateArgs | None = None,
+    tenant_rate: RateArgs | None = None,
 ) -> PermitReply:
     return provider._permits_acquire(
-        group, tenant, want, weight, tenant_limit, limit, most, demand_for, more
+        group,
+        tenant,
+        want,
+        weight,
+        tenant_limit,
+        limit,
+        most,
+        demand_for,
+        more,
+        rate=rate,
+        tenant_rate=tenant_rate,
     )
 
 
@@ -277,3 +293,160 @@ def test_idle_tenants_leave_nothing_behind(backend: Backend, group: str) -> None
     for i in range(3, 8):
         acquire(provider, group, f"t{i}", 0)  # every waiter left
     assert backend.records() <= before + _sequence_record(backend)
+
+
+# -- rates ------------------------------------------------------------------------------------
+
+SLOW: RateArgs = (1000.0, 3)  # a start per 1000 s, 3 back to back: no token comes back in a test
+
+
+def release_all(provider: LeaseProvider, group: str, *replies: tuple[str, PermitReply]) -> None:
+    provider._permits_release(
+        group, [(token, tenant) for tenant, reply in replies for token in reply.tokens]
+    )
+
+
+def test_a_group_rate_bounds_the_grants_of_one_step(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    a = acquire(provider, group, "a", 5, rate=SLOW)
+    assert len(a.tokens) == 3, "the burst, and no more, in one step"
+    assert a.rate_wait == a.group_rate_wait
+    assert 990 <= a.rate_wait <= 1000, "the store says when the next token comes"
+    b = acquire(provider, group, "b", 1, rate=SLOW)
+    assert b.tokens == (), "the group's rate counts every tenant's starts"
+    assert 990 <= b.group_rate_wait <= 1000
+    release_all(provider, group, ("a", a))
+    again = acquire(provider, group, "a", 1, rate=SLOW)
+    assert again.tokens == (), "a rate counts starts, not jobs running: a release gives none"
+    assert a.at <= b.at <= again.at, "each reply carries the store's clock"
+    acquire(provider, group, "a", 0)
+    acquire(provider, group, "b", 0)
+
+
+def test_a_tenant_rate_bounds_its_tenant_only(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    a = acquire(provider, group, "a", 3, tenant_rate=(1000.0, 2))
+    assert len(a.tokens) == 2
+    assert a.group_rate_wait == 0.0
+    assert 990 <= a.rate_wait <= 1000
+    b = acquire(provider, group, "b", 3, tenant_rate=(1000.0, 2))
+    assert len(b.tokens) == 2, "another tenant has a bucket of its own"
+    release_all(provider, group, ("a", a), ("b", b))
+    assert acquire(provider, group, "a", 1, tenant_rate=(1000.0, 2)).tokens == ()
+    assert len(acquire(provider, group, "c", 1, tenant_rate=(1000.0, 2)).tokens) == 1
+    acquire(provider, group, "a", 0)
+
+
+def test_a_waiter_asking_when_the_store_said_gets_its_start(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    rate: RateArgs = (0.3, 1)
+    first = acquire(provider, group, "a", 1, rate=rate)
+    assert len(first.tokens) == 1
+    second = acquire(provider, group, "a", 1, rate=rate)
+    assert second.tokens == ()
+    assert 0.0 < second.rate_wait <= 0.3
+    # The store's wait is enough: asking after it (plus the 1 ms resolution of SQLite's
+    # clock) gets the start, in one round trip, never earlier than the rate allows.
+    time.sleep(second.rate_wait + 0.002)
+    third = acquire(provider, group, "a", 1, rate=rate)
+    assert len(third.tokens) == 1
+    assert third.at - first.at >= 0.3 - 1e-6
+    release_all(provider, group, ("a", first), ("a", third))
+    acquire(provider, group, "a", 0)
+
+
+def test_a_tenant_over_its_own_rate_reserves_nothing(backend: Backend, group: str) -> None:
+    """No head-of-line blocking in the store: 'a' is further behind its share than 'b' and
+    waits, but for its own rate: the free permit is b's. Once a is within its rate again, its
+    demand reserves the permit as any tenant's does. (Both always have more jobs waiting, so
+    both keep their passes.)"""
+    provider = backend.new()
+    own: RateArgs = (0.4, 1)
+
+    def a_asks() -> PermitReply:
+        return acquire(provider, group, "a", 1, weight=100.0, limit=1, more=True, tenant_rate=own)
+
+    def b_asks() -> PermitReply:
+        return acquire(provider, group, "b", 1, limit=1, more=True)
+
+    b = b_asks()
+    assert len(b.tokens) == 1
+    release_all(provider, group, ("b", b))
+    a = a_asks()
+    assert len(a.tokens) == 1, "a is not behind b yet"
+    release_all(provider, group, ("a", a))
+    blocked = a_asks()
+    assert blocked.tokens == ()
+    assert blocked.rate_wait > 0
+    b = b_asks()
+    assert len(b.tokens) == 1, "a is behind b but waits for its own rate: b must not wait for it"
+    release_all(provider, group, ("b", b))
+    time.sleep(blocked.rate_wait + 0.01)
+    assert b_asks().tokens == (), "a is within its rate again: the permit is reserved for it"
+    a = a_asks()
+    assert len(a.tokens) == 1
+    release_all(provider, group, ("a", a))
+    acquire(provider, group, "a", 0)
+    acquire(provider, group, "b", 0)
+
+
+def test_group_tokens_are_reserved_for_a_tenant_further_behind(
+    backend: Backend, group: str
+) -> None:
+    provider = backend.new()
+    rate: RateArgs = (0.3, 1)
+    b = acquire(provider, group, "b", 1, rate=rate)
+    assert len(b.tokens) == 1
+    a = acquire(provider, group, "a", 1, weight=100.0, rate=rate)
+    assert a.tokens == ()
+    assert 0 < a.group_rate_wait <= 0.3
+    time.sleep(a.group_rate_wait + 0.01)
+    refused = acquire(provider, group, "b", 1, rate=rate)
+    assert refused.tokens == (), "the group's next token is a's: it is further behind"
+    assert refused.wake_in is not None
+    assert refused.wake_in <= 0.3 + 1e-3, "b is told to look again at the token after it"
+    a2 = acquire(provider, group, "a", 1, weight=100.0, rate=rate)
+    assert len(a2.tokens) == 1
+    release_all(provider, group, ("b", b), ("a", a2))
+    acquire(provider, group, "b", 0)
+
+
+def primed(backend: Backend, provider: LeaseProvider, group: str) -> int:
+    """The store's records once the group's token sequence exists (a grant made it, and it
+    stays: bookkeeping, as for leases) and the group itself is idle again."""
+    reply = acquire(provider, group, "prime")
+    release_all(provider, group, ("prime", reply))
+    return backend.records()
+
+
+def test_rate_state_leaves_the_store_once_full_again(backend: Backend, group: str) -> None:
+    provider = backend.new()
+    before = primed(backend, provider, group)
+    rate: RateArgs = (1.5, 1)
+    reply = acquire(provider, group, "a", 1, rate=rate, tenant_rate=rate)
+    release_all(provider, group, ("a", reply))
+    assert backend.records() > before, "the buckets outlive the permit: a release keeps a rate"
+    time.sleep(1.55)
+    if backend.name == "redis":  # expired by Redis itself (the key's TTL), no call needed
+        assert backend.records() == before
+    acquire(provider, group, "a", 0, rate=rate, tenant_rate=rate)  # the next call passing by
+    assert backend.records() == before
+
+
+def test_abandoned_groups_leave_the_store(backend: Backend, group: str) -> None:
+    """A member crashed holding a permit, with demand and rate state, and nobody calls the
+    group again: once everything in it expired it goes (Redis: key expiry; the others: swept
+    by a later call on any group, at most every second)."""
+    provider = backend.new()
+    before = primed(backend, provider, group)
+    crashed = acquire(provider, group, "a", 2, limit=1, most=0.4, demand_for=0.4, rate=(0.4, 1))
+    assert len(crashed.tokens) == 1
+    assert backend.records() > before
+    other = f"{group}-other"
+
+    def gone() -> bool:
+        acquire(provider, other, "z", 0)  # some call on another group
+        return backend.records() == before
+
+    time.sleep(0.5)
+    wait_until(gone, 10.0, "the abandoned group to be swept")

@@ -66,9 +66,9 @@ def _stored(client: Any, keys: tuple[str, str, str]) -> dict[str, Any]:
         token, _, tenant = member.decode().partition(":")
         permits[int(token)] = tenant
     state = {field.decode(): value.decode() for field, value in client.hgetall(state_key).items()}
-    kinds: dict[str, dict[str, str]] = {"n": {}, "p": {}, "l": {}}
+    kinds: dict[str, dict[str, str]] = {"n": {}, "p": {}, "l": {}, "q": {}}
     for field, value in state.items():
-        if field not in ("c", "r", "d"):
+        if field not in ("c", "r", "d", "x"):  # x: the keys' expiry (test_permits_expiry.py)
             kinds[field[0]][field[1:]] = value
     if state:  # the counters are the sets' sizes
         assert int(state["r"]) == client.zcard(permits_key)
@@ -344,3 +344,37 @@ def test_many_permits_in_one_step(redis_backend: Backend) -> None:
     assert lost == [token for token, _ in unknown]
     assert provider._permits_release(group, [*pairs, *unknown]) == 3000
     assert redis_backend.records() <= before + 1  # the token sequence
+
+
+def test_the_groups_keys_expire_no_earlier_than_what_they_hold(redis_backend: Backend) -> None:
+    """Every key of a busy group carries a TTL (so a group a crashed fleet left goes by itself)
+    that is never earlier than its latest permit or demand: a key expiring first would drop a
+    live permit. A group written before keys had TTLs gets them at its next step."""
+    provider = _provider(redis_backend)
+    group = f"ttl-{uuid.uuid4().hex[:6]}"
+    permits, demand, state = provider._permit_keys(group)
+    client = _client(redis_backend)
+
+    def ttl(key: str) -> float:
+        return float(client.pttl(key)) / 1000.0
+
+    try:
+        a = provider._permits_acquire(group, "a", 1, 1.0, 5, 1, 5.0, 3.0, False)
+        assert len(a.tokens) == 1
+        assert 5.0 - 0.5 <= ttl(permits) <= 11.0
+        assert ttl(state) == pytest.approx(ttl(permits), abs=0.01)
+        b = provider._permits_acquire(group, "b", 1, 1.0, 5, 1, 5.0, 3.0, False)  # waits
+        assert b.tokens == ()
+        assert ttl(demand) >= 3.0 - 0.5
+        assert provider._permits_extend(group, [(a.tokens[0], "a")], 20.0) == []
+        for key in (permits, demand, state):
+            assert ttl(key) >= 20.0 - 0.5, key
+        # As a group written by a version without TTLs: no x, no expiry.
+        client.hdel(state, "x")
+        for key in (permits, demand, state):
+            client.persist(key)
+        provider._permits_acquire(group, "c", 0, 1.0, 5, 1, 5.0, 3.0, False)  # writes nothing
+        for key in (permits, demand, state):
+            assert ttl(key) >= 20.0 - 0.5, key
+    finally:
+        client.close()

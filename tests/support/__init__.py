@@ -1,1 +1,1 @@
-"""Helpers shared by the test suites (servers, ...); not library code."""
+"""Test helpers shared by the suite (imported as ``support.*``: ``tests/`` is on the path)."""

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -31,6 +32,8 @@ __all__ = [
     "backend_unavailable",
     "free_port",
     "postgres_bindir",
+    "postgres_server",
+    "postgres_url",
     "start_postgres",
     "start_redis",
 ]
@@ -188,3 +191,27 @@ def start_postgres() -> ThrowawayPostgres:
         server.remove()
         raise
     return server
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[ThrowawayPostgres]:
+    """A PostgreSQL server with a persistent data directory this session may stop and start.
+
+    One per test session (per xdist worker), shared by the lease and Kafka suites; each test
+    uses tables of its own on it.
+    """
+    server = start_postgres()
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def postgres_url(request: pytest.FixtureRequest) -> str:
+    """RXCOORD_POSTGRES_URL, or the throwaway server's URL."""
+    url = os.environ.get("RXCOORD_POSTGRES_URL")
+    if url:
+        return url
+    server: ThrowawayPostgres = request.getfixturevalue("postgres_server")
+    return server.url

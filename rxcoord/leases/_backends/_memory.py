@@ -9,7 +9,8 @@ Nothing is left behind: a record exists only while its name is taken. A release 
 since the last sweep, or by the first grant a second after the last one (amortized O(1) per
 grant). Tokens come from one store-wide counter, so
 they keep increasing per name however often its record is deleted; they live as long as the
-store object.
+store object. Fleet groups whose permits, demand and rate buckets have all expired (nobody called
+them since) are dropped by the next permit step at most once a second.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any as _Any
 
 from .._base import LeaseProvider
+from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import WaitHub
 from .._permits import PermitGroup, PermitReply, hub_name
 
@@ -74,6 +76,7 @@ class MemoryLeaseStore:
         self._sweep_after = clock() + _SWEEP_EVERY  # ...or, on a grant, once this has passed
         self._hubs: weakref.WeakSet[WaitHub] = weakref.WeakSet()
         self._groups: dict[str, PermitGroup] = {}  # fleet permits, one entry per busy group
+        self._groups_sweep_after = clock() + _SWEEP_EVERY
 
     def attach(self, hub: WaitHub) -> None:
         with self._lock:
@@ -158,11 +161,12 @@ class MemoryLeaseStore:
         for hub in hubs:
             hub.notify(name)
 
-    def permits_acquire(self, group: str, *args: _Any) -> PermitReply:
+    def permits_acquire(self, group: str, *args: _Any, **rates: _Any) -> PermitReply:
         with self._lock:
             table = self._groups.get(group) or PermitGroup()
-            reply, notify = table.acquire(self.clock(), self._next_token, *args)
+            reply, notify = table.acquire(self.clock(), self._next_token, *args, **rates)
             self._keep(group, table)
+            self._sweep_groups(reply.at)
         if notify:
             self._notify(hub_name(group))
         return reply
@@ -189,6 +193,27 @@ class MemoryLeaseStore:
             self._keep(group, table)
         return lost
 
+    def listing(self) -> StoreListing:
+        """What the store holds now: unexpired leases and busy groups (read-only)."""
+        with self._lock:
+            now = self.clock()
+            leases = tuple(
+                LeaseEntry(name, record.token, record.until - now, record.released)
+                for name, record in sorted(self._records.items())
+                if record.until > now
+            )
+            groups = [
+                group_entry(name, now, table.permits.values(), table.limits, table.demand)
+                for name, table in sorted(self._groups.items())
+            ]
+        return StoreListing(
+            "memory",
+            leases,
+            tuple(g for g in groups if g is not None),
+            holders=False,
+            waiter_marks=False,
+        )
+
     def permit_groups(self) -> int:
         """Groups with state in the store (0 once every group is idle)."""
         with self._lock:
@@ -199,6 +224,15 @@ class MemoryLeaseStore:
             self._groups.pop(group, None)
         else:
             self._groups[group] = table
+
+    def _sweep_groups(self, now: float) -> None:
+        """Drop groups whose permits, demand and rate buckets have all expired (nobody called
+        them since: a crashed fleet), at most every ``_SWEEP_EVERY`` (lock held)."""
+        if now < self._groups_sweep_after:
+            return
+        self._groups_sweep_after = now + _SWEEP_EVERY
+        for name in [name for name, table in self._groups.items() if table.expires <= now]:
+            del self._groups[name]
 
 
 def _owned(record: _Record, token: int, now: float) -> bool:
@@ -242,8 +276,11 @@ class MemoryLeases(LeaseProvider):
     def _store_close(self) -> None:
         self.store.detach(self._hub)
 
-    def _permits_acquire(self, group: str, *args: _Any) -> PermitReply:
-        return self.store.permits_acquire(group, *args)
+    def _store_list(self) -> StoreListing:
+        return self.store.listing()
+
+    def _permits_acquire(self, group: str, *args: _Any, **rates: _Any) -> PermitReply:
+        return self.store.permits_acquire(group, *args, **rates)
 
     def _permits_release(
         self, group: str, permits: Sequence[tuple[int, str]], *, timeout: float | None = None

@@ -63,8 +63,13 @@ longer than their lease has left.
 Fleet permits (``_permits.py``) live beside the lease table, in its schema and persistence: a
 table ``<table>_permits`` with one row per busy group holding its ``PermitGroup`` in typed
 columns (``clock``; the permits as parallel arrays ``tokens``, ``holders``, ``untils``; the
-tenants holding or wanting permits as ``tenants``, ``passes``, ``limits``, ``demand``, a
-NULL limit or demand meaning none), deleted once the group holds neither permits nor demand.
+tenants holding or wanting permits as ``tenants``, ``passes``, ``limits``, ``demand``,
+``readies`` (from when a waiting tenant is within its own rate), a NULL limit, demand or
+readiness meaning none; the rate buckets as ``rtenants``, ``rtats`` and ``gtat``, kept until
+full again), deleted once the group holds neither permits, demand nor a bucket still filling.
+Its ``expires`` column says when everything in the row will have expired, and the background
+sweep (after grants and permit steps, at most every ``sweep_every``) deletes rows past it:
+groups a crashed fleet left behind.
 Each step is one PL/pgSQL function, ``<table>_permits_acquire``/``_release``/``_extend``
 (created with the schema, under the same advisory lock, and replaced only when their source
 differs), so each is one statement and one round trip; times are ``clock_timestamp()`` in
@@ -105,10 +110,11 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
+from ..._core.checks import check_identifier, check_length
 from .._base import LeaseProvider
+from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import Listener, WaitHub
-from .._permits import PermitReply, hub_name
-from .._validate import check_duration, check_table
+from .._permits import PermitReply, RateArgs, hub_name
 from ._drivers import require, route_driver_logs
 
 if TYPE_CHECKING:
@@ -162,7 +168,8 @@ class PostgresLeases(LeaseProvider):
     Args:
         conninfo: A libpq connection string or URL (``postgresql://user@host:5432/db``).
         table: Table name (identifier, optionally ``schema.table``); created if missing.
-        min_size, max_size: Connection pool bounds.
+        min_size: The fewest connections the pool keeps open.
+        max_size: The most connections the pool opens.
         timeout: Seconds one call may take (getting a pooled connection, connecting, and
             waiting for the server's answer) before failing with ``LeaseStoreUnavailable``;
             also the most ``close()`` waits for a server that does not answer.
@@ -213,10 +220,10 @@ class PostgresLeases(LeaseProvider):
         configure: Callable[[psycopg.Connection[Any]], None] | None = None,
         sweep_every: float | None = _SWEEP_EVERY,
     ) -> None:
-        parts = check_table(table)
-        self._timeout = check_duration("timeout", timeout)
+        parts = check_identifier(table)
+        self._timeout = check_length(timeout, "timeout")
         self._sweep_every = (
-            None if sweep_every is None else check_duration("sweep_every", sweep_every)
+            None if sweep_every is None else check_length(sweep_every, "sweep_every")
         )
         if not 0 <= min_size <= max_size or max_size < 1:
             raise ValueError(
@@ -578,6 +585,16 @@ class PostgresLeases(LeaseProvider):
                 )
                 for statement in permit_sql.create:
                     conn.execute(statement)
+                # A permit table made before rates: add their columns (only then: ALTER TABLE
+                # needs the owner, which a second role sharing the table is not).
+                has_rates = conn.execute(
+                    "SELECT EXISTS (SELECT FROM pg_catalog.pg_attribute WHERE attrelid = "
+                    "%s::regclass AND attname = 'expires' AND NOT attisdropped)",
+                    (permit_sql.table,),
+                ).fetchone()
+                if not (has_rates and has_rates[0]):
+                    for statement in permit_sql.upgrade:
+                        conn.execute(statement)
                 for signature, source, create in permit_sql.functions:
                     # Replaced only when it differs: CREATE OR REPLACE rewrites the catalog
                     # and needs the function's owner, which a second role sharing the table
@@ -687,7 +704,9 @@ class PostgresLeases(LeaseProvider):
         """Delete expired rows in the background, at most every ``sweep_every`` seconds.
 
         An expired row is a free name: deleting it changes nothing for anyone (the sequence,
-        not the row, carries the tokens), so any provider may sweep any row.
+        not the row, carries the tokens), so any provider may sweep any row. The same goes for
+        a fleet group's row whose permits, demand and rate buckets have all expired. Run after
+        lease grants and permit steps.
         """
         every = self._sweep_every
         if every is None:
@@ -702,6 +721,9 @@ class PostgresLeases(LeaseProvider):
     def _sweep(self) -> None:
         try:
             self._run(self._sql_sweep, {}, "sweep expired leases", rows=False)
+            # Fleet groups nobody calls any more (a crashed fleet): their rows, once all
+            # their permits, demand and rate buckets have expired.
+            self._run(self._permit_statements().sweep, {}, "sweep idle fleet groups", rows=False)
         except (LeaseStoreUnavailable, LeaseStoreMisconfigured):
             pass  # the next grant tries again; nothing depends on it
         finally:
@@ -757,8 +779,12 @@ class PostgresLeases(LeaseProvider):
         most: float,
         demand_for: float,
         more: bool,
+        *,
+        rate: RateArgs | None = None,
+        tenant_rate: RateArgs | None = None,
     ) -> PermitReply:
         channel = self._channel(hub_name(group))
+        self._maybe_sweep()
         row, _ = self._run(
             self._permit_statements().acquire,
             {
@@ -772,15 +798,22 @@ class PostgresLeases(LeaseProvider):
                 "demand_for": demand_for,
                 "more": more,
                 "channel": channel,
+                "rate_iv": 0.0 if rate is None else rate[0],
+                "rate_burst": 0 if rate is None else rate[1],
+                "trate_iv": 0.0 if tenant_rate is None else tenant_rate[0],
+                "trate_burst": 0 if tenant_rate is None else tenant_rate[1],
             },
             "acquire fleet permits",
         )
-        tokens, wake_in, running, tenant_running = row
+        tokens, wake_in, running, tenant_running, rate_wait, group_wait, at = row
         return PermitReply(
             tuple(tokens),
             None if wake_in is None else float(wake_in),
             int(running),
             int(tenant_running),
+            float(rate_wait),
+            float(group_wait),
+            float(at),
         )
 
     def _permits_release(
@@ -821,6 +854,78 @@ class PostgresLeases(LeaseProvider):
         )
         return [int(token) for token in row[0]]
 
+    def _store_list(self) -> StoreListing:
+        """Read-only, on a connection of its own in a read-only transaction: no schema set-up
+        (a table nobody created lists nothing), no sweep."""
+        from ._pg_deadline import DeadlineConnection
+
+        deadline = monotonic() + self._timeout
+        try:
+            conn = DeadlineConnection.connect(self.conninfo, **self._connect_kwargs)
+        except self._psycopg.Error as exc:
+            raise self._error(exc, "list the leases") from exc
+        try:
+            conn.deadline = deadline
+            self._configure_connection(conn)
+            conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+            with conn.transaction():
+                found = conn.execute(
+                    "SELECT n.nspname, c.relname, EXISTS (SELECT FROM pg_catalog.pg_attribute "
+                    "WHERE attrelid = c.oid AND attname = 'waited' AND NOT attisdropped) "
+                    "FROM pg_catalog.pg_class c "
+                    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE c.oid = to_regclass(%s)",
+                    (self._table_literal,),
+                ).fetchone()
+                if found is None:
+                    return StoreListing("postgres", (), (), holders=True, waiter_marks=True)
+                schema, relation, has_waited = str(found[0]), str(found[1]), bool(found[2])
+                from psycopg import sql
+
+                table = sql.Identifier(schema, relation).as_string(None)
+                waited = "waited" if has_waited else "NULL::boolean"
+                leases = tuple(
+                    LeaseEntry(str(n), int(tok), float(left), bool(rel), str(by), w)
+                    for n, tok, left, rel, by, w in conn.execute(
+                        "SELECT name, token, "
+                        "extract(epoch FROM locked_until - clock_timestamp())::float8, "
+                        f"released, locked_by, {waited} FROM {table} "
+                        "WHERE locked_until > clock_timestamp() ORDER BY name"
+                    ).fetchall()
+                )
+                permits = sql.Identifier(
+                    schema, _derived_identifier(relation, "_permits")
+                ).as_string(None)
+                exists = conn.execute("SELECT to_regclass(%s)", (permits,)).fetchone()
+                groups = []
+                if exists is not None and exists[0] is not None:
+                    for name, now, holders, untils, tenants, limits, demand in conn.execute(
+                        "SELECT name, date_part('epoch', clock_timestamp()), holders, untils, "
+                        f"tenants, limits, demand FROM {permits} ORDER BY name"
+                    ).fetchall():
+                        entry = group_entry(
+                            str(name),
+                            float(now),
+                            zip(holders, untils, strict=True),
+                            {
+                                t: int(lim)
+                                for t, lim in zip(tenants, limits, strict=True)
+                                if lim is not None
+                            },
+                            {
+                                t: float(d)
+                                for t, d in zip(tenants, demand, strict=True)
+                                if d is not None
+                            },
+                        )
+                        if entry is not None:
+                            groups.append(entry)
+        except self._psycopg.Error as exc:
+            raise self._error(exc, "list the leases") from exc
+        finally:
+            conn.close()
+        return StoreListing("postgres", leases, tuple(groups), holders=True, waiter_marks=True)
+
     def _store_close(self) -> None:
         self._draining = True
         self._drain_idle()
@@ -834,16 +939,31 @@ class _PermitSql:
     """The permit table's schema statements, its functions and the calls of them."""
 
     create: tuple[str, ...]
+    upgrade: tuple[str, ...]  # the columns a table made before rates lacks (ALTER TABLE)
+    table: str
     functions: tuple[tuple[str, str, str], ...]  # (signature, body, CREATE OR REPLACE ...)
     acquire: str
     release: str
     extend: str
+    sweep: str
 
 
 # The permit table: one row per busy group, its PermitGroup (_permits.py) in typed columns.
 # Parallel arrays rather than a jsonb document: float8 round-trips exactly (passes and the clock
 # are compared with <), and a step reads and writes one row, as a lease grant or release does.
-_PERMIT_COLUMNS: Final = "clock, tokens, holders, untils, tenants, passes, limits, demand"
+_PERMIT_COLUMNS: Final = (
+    "clock, tokens, holders, untils, tenants, passes, limits, demand, readies, rtenants, rtats, "
+    "gtat, expires"
+)
+# Columns added for rates (ALTER TABLE ... ADD COLUMN on a table made before them).
+_PERMIT_RATE_COLUMNS: Final = (
+    ("readies", "float8[] NOT NULL DEFAULT '{}'"),  # per tenant, parallel to tenants: the time
+    # from which a waiting tenant is within its own rate (NULL: no rate), written with demand
+    ("rtenants", "text[] NOT NULL DEFAULT '{}'"),  # rate buckets: a tenant's name and its tat,
+    ("rtats", "float8[] NOT NULL DEFAULT '{}'"),  # kept until full again (tat <= now)
+    ("gtat", "float8"),  # the group's bucket (NULL: none, or full)
+    ("expires", "float8"),  # when everything in the row has expired: the sweep deletes it then
+)
 _PERMIT_TABLE: Final = (
     "(name text PRIMARY KEY, "
     "clock float8 NOT NULL, "  # the pass of the latest grant
@@ -853,7 +973,9 @@ _PERMIT_TABLE: Final = (
     "tenants text[] NOT NULL, "  # tenants with permits or demand, each with its pass,
     "passes float8[] NOT NULL, "
     "limits bigint[] NOT NULL, "  # the tenant limit recorded with its demand (or NULL),
-    "demand float8[] NOT NULL)"  # and its demand's until (NULL: wants nothing)
+    "demand float8[] NOT NULL, "  # and its demand's until (NULL: wants nothing)
+    + ", ".join(f"{column} {kind}" for column, kind in _PERMIT_RATE_COLUMNS)
+    + ")"
 )
 
 # Every function's variables: the group's row, and the clock.
@@ -868,21 +990,32 @@ _DECLARE_GROUP: Final = """
     v_passes float8[];
     v_limits bigint[];
     v_demand float8[];
+    v_readies float8[];
+    v_rtenants text[];
+    v_rtats float8[];
+    v_gtat float8;
     v_changed boolean := false;
     k int;
     m int;"""
 
 # Locks the group's row (every step on a group holds it, so steps on one group serialize) and
-# reads it; then the clock, read under the lock.
-_LOCK: Final = """SELECT g.clock, g.tokens, g.holders, g.untils,
-        g.tenants, g.passes, g.limits, g.demand
-    INTO v_clock, v_tokens, v_holders, v_untils, v_tenants, v_passes, v_limits, v_demand
+# reads it; then the clock, read under the lock. (A row written before rates has no readies:
+# padded to its tenants.)
+_LOCK: Final = """SELECT g.clock, g.tokens, g.holders, g.untils, g.tenants, g.passes, g.limits,
+        g.demand, g.readies, g.rtenants, g.rtats, g.gtat
+    INTO v_clock, v_tokens, v_holders, v_untils, v_tenants, v_passes, v_limits, v_demand,
+        v_readies, v_rtenants, v_rtats, v_gtat
     FROM {permits} AS g WHERE g.name = p_group FOR UPDATE;
 v_found := FOUND;
-v_now := date_part('epoch', clock_timestamp());"""
+v_now := date_part('epoch', clock_timestamp());
+IF v_found AND cardinality(v_readies) < cardinality(v_tenants) THEN
+    v_readies := v_readies
+        || array_fill(NULL::float8, ARRAY[cardinality(v_tenants) - cardinality(v_readies)]);
+END IF;"""
 
 # PermitGroup.expire: permits and demand that ran out go; tenants left with neither are
-# forgotten (every other tenant has one or the other: each step keeps it so).
+# forgotten (every other tenant has one or the other: each step keeps it so); rate buckets
+# full again go.
 _EXPIRE: Final = """IF {expired} THEN
     v_changed := true;
     SELECT coalesce(array_agg(x.t ORDER BY x.o), '{{}}'),
@@ -894,26 +1027,44 @@ _EXPIRE: Final = """IF {expired} THEN
     SELECT coalesce(array_agg(x.n ORDER BY x.o), '{{}}'),
            coalesce(array_agg(x.p ORDER BY x.o), '{{}}'),
            coalesce(array_agg(x.l ORDER BY x.o), '{{}}'),
-           coalesce(array_agg(CASE WHEN x.d > v_now THEN x.d END ORDER BY x.o), '{{}}')
-        INTO v_tenants, v_passes, v_limits, v_demand
-        FROM unnest(v_tenants, v_passes, v_limits, v_demand) WITH ORDINALITY AS x(n, p, l, d, o)
+           coalesce(array_agg(CASE WHEN x.d > v_now THEN x.d END ORDER BY x.o), '{{}}'),
+           coalesce(array_agg(x.r ORDER BY x.o), '{{}}')
+        INTO v_tenants, v_passes, v_limits, v_demand, v_readies
+        FROM unnest(v_tenants, v_passes, v_limits, v_demand, v_readies)
+            WITH ORDINALITY AS x(n, p, l, d, r, o)
         WHERE x.d > v_now OR x.n = ANY (v_holders);
+    SELECT coalesce(array_agg(x.n ORDER BY x.o), '{{}}'),
+           coalesce(array_agg(x.t ORDER BY x.o), '{{}}')
+        INTO v_rtenants, v_rtats
+        FROM unnest(v_rtenants, v_rtats) WITH ORDINALITY AS x(n, t, o)
+        WHERE x.t > v_now;
+    IF v_gtat <= v_now THEN
+        v_gtat := NULL;
+    END IF;
 END IF;"""
 
-# Whether a permit or a demand ran out (never NULL: demand has NULLs).
-_EXPIRED: Final = "(v_now >= ANY (v_untils) OR coalesce(v_now >= ANY (v_demand), false))"
+# Whether a permit, a demand or a rate bucket ran out (never NULL: demand has NULLs).
+_EXPIRED: Final = (
+    "(v_now >= ANY (v_untils) OR coalesce(v_now >= ANY (v_demand), false)\n"
+    "    OR v_now >= ANY (v_rtats) OR coalesce(v_gtat <= v_now, false))"
+)
 
-# The tenant at index m, forgotten (its pass, limit and demand).
+# The tenant at index m, forgotten (its pass, limit, demand and readiness; not its bucket).
 _FORGET: Final = """v_tenants := v_tenants[:m - 1] || v_tenants[m + 1:];
 v_passes := v_passes[:m - 1] || v_passes[m + 1:];
 v_limits := v_limits[:m - 1] || v_limits[m + 1:];
-v_demand := v_demand[:m - 1] || v_demand[m + 1:];"""
+v_demand := v_demand[:m - 1] || v_demand[m + 1:];
+v_readies := v_readies[:m - 1] || v_readies[m + 1:];"""
 
-# True when the group holds neither permits nor demand: its row goes.
+# True when the group holds neither permits, demand nor a bucket still filling: its row goes.
 _IDLE_GROUP: Final = (
     "(cardinality(v_tokens) = 0\n"
-    "    AND cardinality(v_demand) = cardinality(array_positions(v_demand, NULL)))"
+    "    AND cardinality(v_demand) = cardinality(array_positions(v_demand, NULL))\n"
+    "    AND cardinality(v_rtats) = 0 AND v_gtat IS NULL)"
 )
+
+# When everything in the row will have expired (max skips NULLs): the sweep's column.
+_EXPIRES: Final = "(SELECT max(e) FROM unnest(v_untils || v_demand || v_rtats || v_gtat) AS e)"
 
 # Writes the row back (release and extend: it exists), or deletes it once idle.
 _STORE: Final = """IF {idle} THEN
@@ -921,9 +1072,38 @@ _STORE: Final = """IF {idle} THEN
 ELSE
     UPDATE {permits}
         SET clock = v_clock, tokens = v_tokens, holders = v_holders, untils = v_untils,
-            tenants = v_tenants, passes = v_passes, limits = v_limits, demand = v_demand
+            tenants = v_tenants, passes = v_passes, limits = v_limits, demand = v_demand,
+            readies = v_readies, rtenants = v_rtenants, rtats = v_rtats, gtat = v_gtat,
+            expires = {expires}
         WHERE name = p_group;
 END IF;"""
+
+
+def _gcra(result: str, tat: str, iv: str, burst: str) -> str:
+    """PL/pgSQL setting ``result`` to the starts a rate allows back to back at ``v_now``:
+    ``rxcoord._core.rate.available`` (the same arithmetic, the same rounding fix-up)."""
+    late = f"greatest({tat}, v_now) + ({result} {{}}) * {iv} - ({burst} - 1) * {iv} - v_now"
+    return f"""IF {tat} <= v_now THEN
+    {result} := {burst};
+ELSIF ({burst} - 1) * {iv} + 1e-9 - ({tat} - v_now) < 0 THEN
+    {result} := 0;
+ELSE
+    {result} := least({burst},
+        floor((({burst} - 1) * {iv} + 1e-9 - ({tat} - v_now)) / {iv})::bigint + 1);
+    WHILE {result} < {burst} AND {late.format("")} <= 1e-9 LOOP
+        {result} := {result} + 1;
+    END LOOP;
+    WHILE {result} > 0 AND {late.format("- 1")} > 1e-9 LOOP
+        {result} := {result} - 1;
+    END LOOP;
+END IF;"""
+
+
+def _gcra_wait(tat: str, iv: str, burst: str, n: str) -> str:
+    """An expression: seconds until ``n`` starts may pass back to back (``rate.wait``)."""
+    late = f"(greatest({tat}, v_now) + ({n} - 1) * {iv} - ({burst} - 1) * {iv} - v_now)"
+    return f"CASE WHEN {late} > 1e-9 THEN {late} ELSE 0.0::float8 END"
+
 
 # PermitGroup.acquire. A group without a row (every uncontended job finds one) is computed
 # from the empty state and inserted in one statement, whose NOT EXISTS draws no token when the
@@ -931,25 +1111,50 @@ END IF;"""
 # finds the conflict (DO NOTHING; its tokens are a gap in the sequence, as a lease grant that
 # loses its race leaves) and goes on to the row, locked. A row that exists is locked, updated
 # or deleted once idle; one deleted by the transaction we waited for is not found once we get
-# the lock: start over.
+# the lock: start over. Rates (p_*_iv > 0, in seconds; the burst beside) are taken with the
+# permits: the grant is the start they count.
 _ACQUIRE_BODY: Final = """
 DECLARE{declare}
     v_mine bigint;
     v_me int;
+    v_ri int;
     v_pass float8;
     v_grant bigint;
-    v_better bigint;
+    v_free bigint;
+    v_avail bigint;
+    v_better bigint := 0;
     v_token bigint;
     v_soonest float8;
     v_notify boolean := false;
     v_wants boolean;
+    v_ttat float8 := 0;
+    v_beyond float8;
 BEGIN
+    rate_wait := 0;
+    group_rate_wait := 0;
     LOOP
         IF p_want > 0 OR p_more THEN  -- else there is nothing to insert
-            -- The empty state: no permits, no demand (nothing reserved), clock and pass 0.
+            -- The empty state: no permits, no demand (nothing reserved), clock and pass 0,
+            -- full buckets.
             v_now := date_part('epoch', clock_timestamp());
             v_grant := greatest(0, least(p_want, p_tenant_limit, p_limit));
+            IF p_rate_iv > 0 THEN
+                v_grant := least(v_grant, p_rate_burst);
+            END IF;
+            IF p_trate_iv > 0 THEN
+                v_grant := least(v_grant, p_trate_burst);
+            END IF;
             v_wants := v_grant < p_want OR p_more;
+            v_gtat := CASE WHEN p_rate_iv > 0 AND v_grant > 0
+                THEN v_now + v_grant * p_rate_iv END;
+            v_ttat := CASE WHEN p_trate_iv > 0 AND v_grant > 0
+                THEN v_now + v_grant * p_trate_iv ELSE 0 END;
+            v_untils := CASE WHEN v_grant > 0 THEN ARRAY[v_now + p_most] ELSE '{{}}' END;
+            v_demand := ARRAY[CASE WHEN v_wants THEN greatest(v_now, v_now + p_demand_for) END];
+            v_rtats := CASE WHEN p_trate_iv > 0 AND v_grant > 0 THEN ARRAY[v_ttat]
+                ELSE '{{}}' END;
+            v_readies := ARRAY[CASE WHEN v_wants AND p_trate_iv > 0
+                THEN v_ttat - (p_trate_burst - 1) * p_trate_iv END];
             IF v_grant <= 1 THEN
                 -- One permit or none (every uncontended job): its token drawn by the
                 -- statement itself, once it found no row. (A statement of one shape: its
@@ -959,12 +1164,17 @@ BEGIN
                         CASE WHEN v_grant = 1 THEN ARRAY[nextval({seq}::regclass)]
                             ELSE '{{}}' END,
                         CASE WHEN v_grant = 1 THEN ARRAY[p_tenant] ELSE '{{}}' END,
-                        CASE WHEN v_grant = 1 THEN ARRAY[v_now + p_most] ELSE '{{}}' END,
+                        v_untils,
                         ARRAY[p_tenant],
                         ARRAY[CASE WHEN v_grant = 1 THEN 0.0::float8 + 1.0::float8 / p_weight
                             ELSE 0.0::float8 END],
                         ARRAY[CASE WHEN v_wants THEN p_tenant_limit END],
-                        ARRAY[CASE WHEN v_wants THEN greatest(v_now, v_now + p_demand_for) END]
+                        v_demand, v_readies,
+                        CASE WHEN p_trate_iv > 0 AND v_grant = 1 THEN ARRAY[p_tenant]
+                            ELSE '{{}}' END,
+                        v_rtats, v_gtat,
+                        (SELECT max(e) FROM unnest(v_untils || v_demand || v_rtats || v_gtat)
+                            AS e)
                     WHERE NOT EXISTS (SELECT FROM {permits} AS g WHERE g.name = p_group)
                     ON CONFLICT (name) DO NOTHING
                     RETURNING {permits}.tokens INTO tokens;
@@ -975,15 +1185,20 @@ BEGIN
                     v_clock := v_pass;
                     v_pass := v_pass + 1.0::float8 / p_weight;
                 END LOOP;
+                v_untils := array_fill(v_now + p_most, ARRAY[v_grant::int]);
                 INSERT INTO {permits} (name, {columns})
                     SELECT p_group, v_clock,
                         ARRAY(SELECT nextval({seq}::regclass)
                               FROM generate_series(1, v_grant) ORDER BY 1),
                         array_fill(p_tenant, ARRAY[v_grant::int]),
-                        array_fill(v_now + p_most, ARRAY[v_grant::int]),
+                        v_untils,
                         ARRAY[p_tenant], ARRAY[v_pass],
                         ARRAY[CASE WHEN v_wants THEN p_tenant_limit END],
-                        ARRAY[CASE WHEN v_wants THEN greatest(v_now, v_now + p_demand_for) END]
+                        v_demand, v_readies,
+                        CASE WHEN p_trate_iv > 0 THEN ARRAY[p_tenant] ELSE '{{}}' END,
+                        v_rtats, v_gtat,
+                        (SELECT max(e) FROM unnest(v_untils || v_demand || v_rtats || v_gtat)
+                            AS e)
                     WHERE NOT EXISTS (SELECT FROM {permits} AS g WHERE g.name = p_group)
                     ON CONFLICT (name) DO NOTHING
                     RETURNING {permits}.tokens INTO tokens;
@@ -1003,31 +1218,45 @@ BEGIN
             tokens := '{{}}';  -- an idle group, and it stays so
             running := 0;
             tenant_running := 0;
+            v_gtat := NULL;
+            v_ttat := 0;
             EXIT;
         END IF;
         {expire}
         running := cardinality(v_tokens);
         v_mine := cardinality(array_positions(v_holders, p_tenant));
         v_me := array_position(v_tenants, p_tenant);
+        v_ri := array_position(v_rtenants, p_tenant);
+        v_ttat := coalesce(v_rtats[v_ri], 0);
         -- An idle tenant earns no credit; a new one starts at the clock.
         v_pass := greatest(coalesce(v_passes[v_me], v_clock), v_clock);
-        v_grant := least(p_want, p_tenant_limit - v_mine, p_limit - running);
+        v_free := p_limit - running;
+        IF p_rate_iv > 0 THEN
+            {group_avail}
+            v_free := least(v_free, v_avail);
+        END IF;
+        v_grant := least(p_want, p_tenant_limit - v_mine, v_free);
+        IF p_trate_iv > 0 THEN
+            {tenant_avail}
+            v_grant := least(v_grant, v_avail);
+        END IF;
         IF v_grant > 0
             AND cardinality(v_demand) > cardinality(array_positions(v_demand, NULL))
         THEN
-            -- Leave a permit for every other waiting tenant further behind (a smaller
-            -- pass) that is below its own tenant limit.
-            v_better := 0;
+            -- Leave a permit (and a group token) for every other waiting tenant further
+            -- behind (a smaller pass) that is below its own tenant limit and within its own
+            -- rate now.
             FOR i IN 1..cardinality(v_tenants) LOOP
                 IF v_demand[i] IS NOT NULL AND v_tenants[i] <> p_tenant
                     AND greatest(v_passes[i], v_clock) < v_pass
                     AND cardinality(array_positions(v_holders, v_tenants[i]))
                         < coalesce(v_limits[i], 0)
+                    AND (v_readies[i] IS NULL OR v_readies[i] <= v_now + 1e-9)
                 THEN
                     v_better := v_better + 1;
                 END IF;
             END LOOP;
-            v_grant := least(v_grant, p_limit - running - v_better);
+            v_grant := least(v_grant, v_free - v_better);
         END IF;
         tokens := '{{}}';
         FOR i IN 1..v_grant LOOP
@@ -1039,6 +1268,20 @@ BEGIN
             v_clock := v_pass;
             v_pass := v_pass + 1.0::float8 / p_weight;
         END LOOP;
+        IF cardinality(tokens) > 0 THEN  -- the starts the rates count: now, with the permits
+            IF p_rate_iv > 0 THEN
+                v_gtat := greatest(coalesce(v_gtat, 0), v_now) + cardinality(tokens) * p_rate_iv;
+            END IF;
+            IF p_trate_iv > 0 THEN
+                v_ttat := greatest(v_ttat, v_now) + cardinality(tokens) * p_trate_iv;
+                IF v_ri IS NULL THEN
+                    v_rtenants := array_append(v_rtenants, p_tenant);
+                    v_rtats := array_append(v_rtats, v_ttat);
+                ELSE
+                    v_rtats[v_ri] := v_ttat;
+                END IF;
+            END IF;
+        END IF;
         running := cardinality(v_tokens);
         tenant_running := v_mine + cardinality(tokens);
         IF cardinality(tokens) < p_want OR p_more THEN
@@ -1047,10 +1290,14 @@ BEGIN
                 v_passes := array_append(v_passes, v_pass);
                 v_limits := array_append(v_limits, p_tenant_limit);
                 v_demand := array_append(v_demand, greatest(v_now, v_now + p_demand_for));
+                v_readies := array_append(v_readies, CASE WHEN p_trate_iv > 0
+                    THEN v_ttat - (p_trate_burst - 1) * p_trate_iv END);
             ELSE
                 v_passes[v_me] := v_pass;
                 v_limits[v_me] := p_tenant_limit;
                 v_demand[v_me] := greatest(coalesce(v_demand[v_me], v_now), v_now + p_demand_for);
+                v_readies[v_me] := CASE WHEN p_trate_iv > 0
+                    THEN v_ttat - (p_trate_burst - 1) * p_trate_iv END;
             END IF;
         ELSE
             -- A pure withdrawal with permits free: a waiter may have yielded to it.
@@ -1062,6 +1309,7 @@ BEGIN
                     v_passes := array_append(v_passes, v_pass);
                     v_limits := array_append(v_limits, NULL::bigint);
                     v_demand := array_append(v_demand, NULL::float8);
+                    v_readies := array_append(v_readies, NULL::float8);
                 ELSE
                     v_passes[v_me] := v_pass;
                     v_demand[v_me] := NULL;
@@ -1088,6 +1336,21 @@ BEGIN
         {store}
         EXIT;
     END LOOP;
+    at := v_now;
+    IF cardinality(tokens) < p_want THEN
+        IF p_rate_iv > 0 THEN
+            group_rate_wait := {group_wait};
+            -- The next group token nobody further behind has a claim on.
+            v_beyond := {group_beyond};
+            IF v_beyond > 0 AND (wake_in IS NULL OR v_beyond < wake_in) THEN
+                wake_in := v_beyond;
+            END IF;
+        END IF;
+        rate_wait := group_rate_wait;
+        IF p_trate_iv > 0 THEN
+            rate_wait := greatest(rate_wait, {tenant_wait});
+        END IF;
+    END IF;
     IF v_notify THEN
         PERFORM pg_notify(p_channel, '');  -- delivered at commit
     END IF;
@@ -1104,13 +1367,16 @@ _RELEASE_BODY: Final = """
 DECLARE{declare}
     v_held bigint := 0;
 BEGIN
-    -- Every permit released and nobody waiting (every uncontended job): the steps below,
-    -- in one statement. All were held, every tenant is forgotten, the group goes. (The clock
-    -- is read when the row is, after any wait for its lock.)
+    -- Every permit released, nobody waiting and no bucket still filling (every uncontended
+    -- job without a rate): the steps below, in one statement. All were held, every tenant is
+    -- forgotten, the group goes. (The clock is read when the row is, after any wait for its
+    -- lock.)
     DELETE FROM {permits} AS g
         WHERE g.name = p_group AND g.tokens = p_tokens AND g.holders = p_tenants
             AND date_part('epoch', clock_timestamp()) < ALL (g.untils)
-            AND cardinality(array_positions(g.demand, NULL)) = cardinality(g.demand);
+            AND cardinality(array_positions(g.demand, NULL)) = cardinality(g.demand)
+            AND NOT date_part('epoch', clock_timestamp()) < ANY (g.rtats)
+            AND NOT coalesce(date_part('epoch', clock_timestamp()) < g.gtat, false);
     IF FOUND THEN
         PERFORM pg_notify(p_channel, '');
         PERFORM set_config('synchronous_commit', 'off', true);
@@ -1193,6 +1459,7 @@ def _permit_statements(table: tuple[str, str], seq: tuple[str, str], unlogged: b
         "seq": sql.Literal(sql.Identifier(*seq).as_string(None)).as_string(None),
         "idle": _IDLE_GROUP,
         "expired": _EXPIRED,
+        "expires": _EXPIRES,
     }
 
     def placed(fragment: str, spaces: int) -> str:
@@ -1206,6 +1473,15 @@ def _permit_statements(table: tuple[str, str], seq: tuple[str, str], unlogged: b
             "expire": placed(_EXPIRE.format(**names), expire),
             "store": placed(_STORE.format(**names), store),
             "forget": placed(_FORGET, forget),
+            "group_avail": placed(
+                _gcra("v_avail", "coalesce(v_gtat, 0)", "p_rate_iv", "p_rate_burst"), 12
+            ),
+            "tenant_avail": placed(_gcra("v_avail", "v_ttat", "p_trate_iv", "p_trate_burst"), 12),
+            "group_wait": _gcra_wait("coalesce(v_gtat, 0)", "p_rate_iv", "p_rate_burst", "1"),
+            "group_beyond": _gcra_wait(
+                "coalesce(v_gtat, 0)", "p_rate_iv", "p_rate_burst", "v_better + 1"
+            ),
+            "tenant_wait": _gcra_wait("v_ttat", "p_trate_iv", "p_trate_burst", "1"),
         }
         return template.format(**parts, **{**names, "idle": placed(_IDLE_GROUP, 8)})
 
@@ -1217,9 +1493,12 @@ def _permit_statements(table: tuple[str, str], seq: tuple[str, str], unlogged: b
             acquire_fn,
             "p_group text, p_tenant text, p_want bigint, p_weight float8, "
             "p_tenant_limit bigint, p_limit bigint, p_most float8, p_demand_for float8, "
-            "p_more boolean, p_channel text, OUT tokens bigint[], OUT wake_in float8, "
-            "OUT running bigint, OUT tenant_running bigint",
-            "(text, text, bigint, float8, bigint, bigint, float8, float8, boolean, text)",
+            "p_more boolean, p_channel text, p_rate_iv float8, p_rate_burst bigint, "
+            "p_trate_iv float8, p_trate_burst bigint, OUT tokens bigint[], OUT wake_in float8, "
+            "OUT running bigint, OUT tenant_running bigint, OUT rate_wait float8, "
+            "OUT group_rate_wait float8, OUT at float8",
+            "(text, text, bigint, float8, bigint, bigint, float8, float8, boolean, text, float8, "
+            "bigint, float8, bigint)",
             "",
             body(_ACQUIRE_BODY, lock=8, expire=8, store=8, forget=16),
         ),
@@ -1241,6 +1520,11 @@ def _permit_statements(table: tuple[str, str], seq: tuple[str, str], unlogged: b
     kind = "UNLOGGED TABLE" if unlogged else "TABLE"
     return _PermitSql(
         create=(f"CREATE {kind} IF NOT EXISTS {permits} {_PERMIT_TABLE}",),
+        upgrade=tuple(
+            f"ALTER TABLE {permits} ADD COLUMN IF NOT EXISTS {column} {definition}"
+            for column, definition in _PERMIT_RATE_COLUMNS
+        ),
+        table=permits,
         functions=tuple(
             (
                 name + types,
@@ -1251,10 +1535,13 @@ def _permit_statements(table: tuple[str, str], seq: tuple[str, str], unlogged: b
             for name, args, types, returns, source in functions
         ),
         acquire=(
-            f"SELECT tokens, wake_in, running, tenant_running FROM {acquire_fn}("
+            "SELECT tokens, wake_in, running, tenant_running, rate_wait, group_rate_wait, at "
+            f"FROM {acquire_fn}("
             "%(group)s::text, %(tenant)s::text, %(want)s::bigint, %(weight)s::float8, "
             "%(tenant_limit)s::bigint, %(limit)s::bigint, %(most)s::float8, "
-            "%(demand_for)s::float8, %(more)s::boolean, %(channel)s::text)"
+            "%(demand_for)s::float8, %(more)s::boolean, %(channel)s::text, "
+            "%(rate_iv)s::float8, %(rate_burst)s::bigint, %(trate_iv)s::float8, "
+            "%(trate_burst)s::bigint)"
         ),
         release=(
             f"SELECT {release_fn}(%(group)s::text, %(tokens)s::bigint[], "
@@ -1263,6 +1550,12 @@ def _permit_statements(table: tuple[str, str], seq: tuple[str, str], unlogged: b
         extend=(
             f"SELECT {extend_fn}(%(group)s::text, %(tokens)s::bigint[], "
             "%(tenants)s::text[], %(most)s::float8)"
+        ),
+        # Groups nobody calls any more (a crashed fleet): everything in them expired.
+        # SKIP LOCKED: a row a step holds is being written; never wait for it.
+        sweep=(
+            f"DELETE FROM {permits} WHERE name IN (SELECT name FROM {permits} "
+            "WHERE expires <= date_part('epoch', clock_timestamp()) FOR UPDATE SKIP LOCKED)"
         ),
     )
 
@@ -1342,15 +1635,6 @@ class _PgListener(Listener):
         self._channel_of = channel_of
         self._channels: dict[str, str] = {}  # channel -> name
         self._conn: DeadlineConnection | None = None
-
-    def watching(self, name: str) -> bool:
-        """True while a waiter of this provider wants ``name``'s notifications (any thread).
-
-        Set before the subscription is sent and kept until the last waiter of the name leaves,
-        so every attempt a waiter makes after its subscription is confirmed sees True.
-        """
-        sub = self._subs.get(name)  # one dict read: atomic, no lock needed
-        return sub is not None and sub.wanted
 
     def _connect(self) -> None:
         from ._pg_deadline import DeadlineConnection

@@ -4,9 +4,10 @@ Keys:
 
 * ``<prefix>{name}`` - the lease (on a cluster, ``<prefix>}{#name}`` for a name that starts
   with ``}``, which would leave ``{name}`` an empty hash tag): value ``token`` (or
-  ``token:least_until_ms`` when ``at_least_for`` > 0), expiring after ``at_most_for``
-  (``PX``): Redis's clock decides expiry, and an expired or released lease leaves no key
-  behind. Released inside ``at_least_for``, it becomes ``r:token`` until then.
+  ``token:least_until_ms`` when ``at_least_for`` > 0), followed by ``!`` once a waiter marked
+  it (see "Notifications" below), expiring after ``at_most_for`` (``PX``): Redis's clock
+  decides expiry, and an expired or released lease leaves no key behind. Released inside
+  ``at_least_for``, it becomes ``r:token`` until then.
 * the token sequence, store-wide rather than per name, so that no key of a name outlives its
   lease and tokens still increase per name: ``<prefix>seq`` on a server; on a cluster, where
   one script may only touch keys of one hash slot, one ``<prefix>seq:{tag}`` per slot in use
@@ -29,26 +30,52 @@ Keys:
   - ``<prefix>fleet:{#group}:d``: the demand, a sorted set of tenants scored by ``until``;
   - ``<prefix>fleet:{#group}:t``: a hash of per-tenant state, ``n<tenant>`` (permits held),
     ``p<tenant>`` (the stride pass, a double written with 17 digits), ``l<tenant>`` (the
-    tenant limit recorded with its demand), and of the group's: ``c`` (the clock, the latest
-    grant's pass), ``r`` and ``d`` (the two sets' sizes: one ``HMGET`` reads them with the
-    caller's state, and an idle group needs no expiry scan).
+    tenant limit recorded with its demand), ``q<tenant>`` (with its demand, when it has a
+    rate: from when, in us, it is within that rate), and of the group's: ``c`` (the clock, the
+    latest grant's pass), ``r`` and ``d`` (the two sets' sizes: one ``HMGET`` reads them with
+    the caller's state, and an idle group needs no expiry scan), ``x`` (the expiry given to
+    the group's keys, ms);
+  - ``<prefix>fleet:{#group}:q``: the rate buckets (GCRA, ``rxcoord/_core/rate.py``), a sorted
+    set of ``g`` (the group's) and ``t<tenant>`` scored by their theoretical arrival time in
+    us of Redis's clock; a bucket whose time has passed is full, i.e. the same as none, so
+    the steps drop those and the key expires at its latest score.
 
-  Nothing has a TTL: expiry is by score, and every step first drops what expired by the
-  server's clock (so a crashed waiter's demand stops counting when it lapses). A tenant with
-  neither permits nor demand loses its fields, and a group with neither loses all three keys
-  (the sorted sets vanish when emptied, the hash is deleted), so an idle group leaves only the
-  sequence. The steps publish on the channel of the group's wait hub
+  Expiry is by score: every step first drops what expired by the server's clock (so a crashed
+  waiter's demand stops counting when it lapses). A tenant with neither permits nor demand
+  loses its fields, and a group with neither loses the first three keys (the sorted sets
+  vanish when emptied, the hash is deleted), so an idle group leaves only the sequence (and
+  its rate buckets until full). Keys also carry a TTL no earlier than everything in them
+  expires (``x``, set once per horizon, not per step), so a group nobody calls any more (a
+  crashed fleet) goes by itself. The steps publish on the channel of the group's wait hub
   (``_channel(hub_name(group))``).
 
 Each operation is one ``EVALSHA`` (falling back to ``EVAL`` once after a script-cache flush),
 so the check, the grant and ``INCR`` of the token are one atomic step:
 
-* grant: ``PTTL`` the lease; if it exists return its remaining time; else ``INCR`` the sequence
-  and ``SET ... PX``;
+* grant: ``PTTL`` the lease; if it exists return its remaining time (a waiter's attempt marks
+  it); else ``INCR`` the sequence and ``SET ... PX``;
 * extend / release: compare the stored token; release ``DEL``s the key (or, inside
-  ``at_least_for``, replaces it with a ``released`` marker expiring then) and ``PUBLISH``es on
-  the name's channel, which wakes waiters in every process;
-* fleet permits: acquire, release and extend are ``PermitGroup``'s steps, each one script.
+  ``at_least_for``, replaces it with a ``released`` marker expiring then) and, if a waiter
+  marked the lease, ``PUBLISH``es on the name's channel, which wakes waiters in every process;
+* fleet permits: acquire, release and extend are ``PermitGroup``'s steps, each one script,
+  rates included (one round trip admits a job under its permit and its rates).
+
+Notifications only when someone waits (as PostgreSQL's releases since the leases work): a
+``PUBLISH`` costs the server a channel lookup and a fan-out on every release, and nobody listens
+to most of them. A release publishes only if its lease's value ends with ``!``, the mark a
+waiter leaves. A waiter's attempt (one for a name this provider's listener is subscribed to,
+``Listener.watching``) marks: a grant it wins is written marked (the rest of its queue sleeps
+until that lease is released), and if it gets nothing it marks the lease it found, in the same
+script. Any other grant writes an unmarked value. Why no wake-up is lost: a waiter's attempts
+after its subscription is confirmed (the waiting machinery always makes one) are all marking
+ones, so a waiter sleeps only after a marking attempt, after its ``SUBSCRIBE`` took effect, and
+until the remaining time that attempt read. Scripts run one at a time, so the lease that attempt
+found (or its queue's head won) carries the mark from then on, and its release, a later script,
+sees it and publishes after the subscription: the waiter hears it. Between the attempt and that
+release no script can take the mark away but a new grant of the name, which needs the marked
+lease gone first: released (published) or expired (the waiter's timer is due then, and its
+next attempt marks whatever grant it finds). A lease released inside ``at_least_for`` becomes
+``r:token`` and is never marked: its end is an expiry, which the waiter's timer covers.
 
 Connections: redis-py's ``Connection`` objects, in a pool of this module's own (a deque of idle
 connections). redis-py's client and pool wrap every command in machinery a lease does not need
@@ -61,8 +88,8 @@ connection the server has closed (a restart) is noticed before reuse and replace
 call after a restart succeeds. On a cluster, commands go through redis-py's ``RedisCluster``
 (slot routing, ``MOVED``/``ASK``) with its retries turned off for the same reason, and the
 listener subscribes on one node: classic pub/sub messages reach every node of a cluster.
-Refusals no retry can fix (``WRONGPASS``, ``NOPERM``, ``NOAUTH``, a cluster node given to a
-plain provider) raise ``LeaseStoreMisconfigured``.
+Refusals no retry can fix (``WRONGPASS``, ``NOPERM``, ``NOAUTH``, a database index the server
+does not have, a cluster node given to a plain provider) raise ``LeaseStoreMisconfigured``.
 """
 
 from __future__ import annotations
@@ -78,10 +105,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
+from ..._core.checks import check_length
 from .._base import LeaseProvider
+from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import Listener, WaitHub
-from .._permits import PermitReply, hub_name
-from .._validate import check_duration
+from .._permits import PermitReply, RateArgs, hub_name
 from ._drivers import require, route_driver_logs
 
 if TYPE_CHECKING:
@@ -90,11 +118,20 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisLeases"]
 
-# KEYS: lease, sequence, legacy per-name counter. ARGV: at_most_for ms, at_least_for ms.
+# KEYS: lease, sequence, legacy per-name counter. ARGV: at_most_for ms, at_least_for ms, a
+# waiter's attempt (1/0: mark the grant it wins or finds, see "Notifications" above).
 # Returns the new token (> 0), or -1 - remaining_ms when the name is taken.
 _GRANT: Final = """
 local ttl = redis.call('PTTL', KEYS[1])
-if ttl >= 0 then return -1 - ttl end
+if ttl >= 0 then
+  if ARGV[3] == '1' then
+    local v = redis.call('GET', KEYS[1])
+    if string.sub(v, -1) ~= '!' and string.sub(v, 1, 2) ~= 'r:' then
+      redis.call('SET', KEYS[1], v .. '!', 'KEEPTTL')
+    end
+  end
+  return -1 - ttl
+end
 if ttl == -1 then return -1001 end
 local legacy = redis.call('GET', KEYS[3])
 if legacy then
@@ -110,6 +147,7 @@ if ARGV[2] ~= '0' then
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   value = token .. ':' .. string.format('%d', now + tonumber(ARGV[2]))
 end
+if ARGV[3] == '1' then value = value .. '!' end
 redis.call('SET', KEYS[1], value, 'PX', ARGV[1])
 return token
 """
@@ -120,7 +158,7 @@ local v = redis.call('GET', KEYS[1])
 if not v then return nil end
 local ttl = redis.call('PTTL', KEYS[1])
 local released = 0
-local token = string.match(v, '^(%d+)$') or string.match(v, '^(%d+):%d+$')
+local token = string.match(v, '^(%d+)!?$') or string.match(v, '^(%d+):%d+!?$')
 if not token then
   released = 1
   token = string.match(v, '^r:(%d+)$') or '0'
@@ -131,12 +169,12 @@ return {tonumber(token), ttl, released}
 # KEYS: lease. ARGV: token, at_most_for ms. Returns 1 if extended, 0 if not ours.
 _EXTEND: Final = """
 local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
+if v == ARGV[1] or v == ARGV[1] .. '!' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
 if not v then return 0 end
-local token, least = string.match(v, '^(%d+):(%d+)$')
+local token, least = string.match(v, '^(%d+):(%d+)!?$')
 if token ~= ARGV[1] then return 0 end
 local t = redis.call('TIME')
 local left = tonumber(least) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
@@ -146,15 +184,21 @@ redis.call('PEXPIRE', KEYS[1], ms)
 return 1
 """
 
-# KEYS: lease. ARGV: token, channel. Returns 1 if released, 0 if not ours.
+# KEYS: lease. ARGV: token, channel. Returns 1 if released, 0 if not ours. Publishes only if a
+# waiter marked the lease ('!' at the end of its value).
 _RELEASE: Final = """
 local v = redis.call('GET', KEYS[1])
+local marked = false
 if v == ARGV[1] then
   redis.call('DEL', KEYS[1])
+elseif v == ARGV[1] .. '!' then
+  redis.call('DEL', KEYS[1])
+  marked = true
 else
   if not v then return 0 end
-  local token, least = string.match(v, '^(%d+):(%d+)$')
+  local token, least, mark = string.match(v, '^(%d+):(%d+)(!?)$')
   if token ~= ARGV[1] then return 0 end
+  marked = mark == '!'
   local t = redis.call('TIME')
   local left = tonumber(least) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
   if left > 0 then
@@ -163,8 +207,18 @@ else
     redis.call('DEL', KEYS[1])
   end
 end
-redis.call('PUBLISH', ARGV[2], '')
+if marked then redis.call('PUBLISH', ARGV[2], '') end
 return 1
+"""
+
+# KEYS: a group's permits, demand, state. Read-only, for rxcoord inspect: Redis's clock (ms),
+# then the three keys as they are (expired entries included: the caller filters by the clock).
+_PERMITS_READ: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {tostring(now), redis.call('HGETALL', KEYS[3]),
+        redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'),
+        redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')}
 """
 
 # -- fleet permits (the table of _permits.py; see "Keys" above) ----------------------------------
@@ -226,37 +280,103 @@ end
 local changed = #gone > 0
 """
 
-# KEYS: permits, demand, state, token sequence. ARGV: tenant, want, weight, tenant limit,
-# limit, most ms, demand_for ms, more (0/1), channel. PermitGroup.acquire, step by step.
-# Returns {first token, tokens granted, running, tenant running, wake_in ms or -1}.
+# The group's keys expire once everything in them has: `x` in the state hash is the time (ms)
+# they were given, at least the latest permit's and demand's `until`. When a step writes a later
+# `until` it gives every key of the group twice that horizon (so this costs a few calls once
+# per horizon, not per step); a key a step creates gets the current `x`. A group nobody calls
+# any more (a crashed fleet) then goes by itself. `need`: the latest `until` this step wrote;
+# `madeP`/`madeD`: the step created that key.
+_PERMITS_KEEP: Final = """
+if running > 0 or demand > 0 then  -- else the state hash is gone: the group is idle
+  local x = tonumber(head[XAT])
+  if not x and head[1] then
+    -- A group written before its keys had an expiry: its latest until, read once.
+    for _, k in ipairs({P, D}) do
+      local top = redis.call('ZRANGE', k, -1, -1, 'WITHSCORES')[2]
+      if top and tonumber(top) > need then need = tonumber(top) end
+    end
+  end
+  if need > now and (not x or need > x) then
+    x = need + math.max(need - now, 1000)
+    redis.call('HSET', T, 'x', x)
+    for _, k in ipairs({P, D, T}) do redis.call('PEXPIREAT', k, x) end
+  elseif x then
+    if madeP then redis.call('PEXPIREAT', P, x) end
+    if madeD then redis.call('PEXPIREAT', D, x) end
+  end
+end
+"""
+
+# Rates (GCRA, rxcoord/_core/rate.py) in microseconds of Redis's clock: `avail` starts may pass
+# back to back at `now`, `rwait` until the n-th of them may. EPS: rate.EPSILON in microseconds.
+_RATE_FUNCTIONS: Final = """
+local EPS = 0.001
+local function rwait(tat, now, iv, burst, n)
+  local late = math.max(tat, now) + (n - 1) * iv - (burst - 1) * iv - now
+  if late > EPS then return late end
+  return 0
+end
+local function avail(tat, now, iv, burst)
+  if tat <= now then return burst end
+  local slack = (burst - 1) * iv + EPS - (tat - now)
+  if slack < 0 then return 0 end
+  local n = math.min(burst, math.floor(slack / iv) + 1)
+  while n < burst and rwait(tat, now, iv, burst, n + 1) == 0 do n = n + 1 end
+  while n > 0 and rwait(tat, now, iv, burst, n) > 0 do n = n - 1 end
+  return n
+end
+"""
+
+# KEYS: permits, demand, state, token sequence, rates (ZSET "g" -> the group's tat, "t"..tenant
+# -> the tenant's, in us; the key expires with its latest tat: a full bucket is a fresh one).
+# ARGV: tenant, want, weight, tenant limit, limit, most ms, demand_for ms, more (0/1), channel,
+# group rate interval us (0: none), its burst, tenant rate interval us (0: none), its burst.
+# PermitGroup.acquire, step by step (the state hash also keeps "q"..tenant, the time in us from
+# which a waiting tenant is within its own rate, written with its demand).
+# Returns {first token, tokens granted, running, tenant running, wake_in ms or -1,
+#          rate wait us, group rate wait us, now us}.
 _PERMITS_ACQUIRE: Final = (
-    "local FIELDS = {'n' .. ARGV[1], 'p' .. ARGV[1], 'c'}"
+    "local FIELDS = {'n' .. ARGV[1], 'p' .. ARGV[1], 'c', 'x'}\nlocal XAT = 6"
     + _PERMITS_EXPIRE
+    + _RATE_FUNCTIONS
     + """
 local tenant = ARGV[1]
 local want = tonumber(ARGV[2])
 local limit = tonumber(ARGV[5])
+local gi, gb = tonumber(ARGV[10]), tonumber(ARGV[11])
+local ti, tb = tonumber(ARGV[12]), tonumber(ARGV[13])
+local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local mine = (tonumber(head[3]) or 0) - (lost[tenant] or 0)
 local clock = tonumber(head[5]) or 0
 local pass = clock
 if not forgot[tenant] then pass = tonumber(head[4]) or clock end
 if pass < clock then pass = clock end
-local grant = math.min(want, tonumber(ARGV[4]) - mine, limit - running)
+local running0, demand0 = running, demand
+local free = limit - running
+local gtat, ttat = 0, 0
+if gi > 0 or ti > 0 then
+  local s = redis.call('ZMSCORE', KEYS[5], 'g', 't' .. tenant)
+  gtat, ttat = tonumber(s[1]) or 0, tonumber(s[2]) or 0
+  if gi > 0 then free = math.min(free, avail(gtat, nowus, gi, gb)) end
+end
+local grant = math.min(want, tonumber(ARGV[4]) - mine, free)
+if ti > 0 then grant = math.min(grant, avail(ttat, nowus, ti, tb)) end
+local better = 0
 if grant > 0 and demand > 0 then
-  -- Leave a permit for each other waiting tenant further behind (smaller pass) that is below
-  -- its own tenant limit.
-  local better = 0
+  -- Leave a permit (and a group token) for each other waiting tenant further behind (smaller
+  -- pass) that is below its own tenant limit and within its own rate now.
   for _, other in ipairs(redis.call('ZRANGE', D, 0, -1)) do
     if other ~= tenant then
-      local o = redis.call('HMGET', T, 'p' .. other, 'n' .. other, 'l' .. other)
+      local o = redis.call('HMGET', T, 'p' .. other, 'n' .. other, 'l' .. other, 'q' .. other)
       local theirs = tonumber(o[1]) or clock
       if theirs < clock then theirs = clock end
-      if theirs < pass and (tonumber(o[2]) or 0) < (tonumber(o[3]) or 0) then
+      if theirs < pass and (tonumber(o[2]) or 0) < (tonumber(o[3]) or 0)
+          and (not o[4] or tonumber(o[4]) <= nowus + EPS) then
         better = better + 1
       end
     end
   end
-  grant = math.min(grant, limit - running - better)
+  grant = math.min(grant, free - better)
 end
 local first = 0
 if grant > 0 then
@@ -276,6 +396,22 @@ if grant > 0 then
   end
   running = running + grant
   mine = mine + grant
+  if gi > 0 or ti > 0 then
+    -- The starts the rates count: now, with the permits, in this very step.
+    local z = {}
+    if gi > 0 then
+      gtat = math.max(gtat, nowus) + grant * gi
+      z[#z + 1], z[#z + 2] = string.format('%.17g', gtat), 'g'
+    end
+    if ti > 0 then
+      ttat = math.max(ttat, nowus) + grant * ti
+      z[#z + 1], z[#z + 2] = string.format('%.17g', ttat), 't' .. tenant
+    end
+    redis.call('ZADD', KEYS[5], unpack(z))
+    redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', nowus)  -- others' buckets full again
+    local top = redis.call('ZRANGE', KEYS[5], -1, -1, 'WITHSCORES')[2]
+    redis.call('PEXPIREAT', KEYS[5], math.ceil(tonumber(top) / 1000))
+  end
 else
   grant = 0
 end
@@ -286,11 +422,18 @@ if grant > 0 then
   fields[9], fields[10] = 'c', string.format('%.17g', clock)
 end
 local waits = grant < want or ARGV[8] == '1'
+local need = 0
+if grant > 0 then need = now + tonumber(ARGV[6]) end
 if waits then
   demand = demand + redis.call(
     'ZADD', D, 'GT', string.format('%d', now + tonumber(ARGV[7])), tenant)
+  need = math.max(need, now + tonumber(ARGV[7]))
   fields[#fields + 1] = 'l' .. tenant
   fields[#fields + 1] = ARGV[4]
+  if ti > 0 then
+    fields[#fields + 1] = 'q' .. tenant
+    fields[#fields + 1] = string.format('%.17g', ttat - (tb - 1) * ti)
+  end
 elseif demand > 0 and redis.call('ZREM', D, tenant) == 1 then
   demand = demand - 1
   -- A withdrawal: a waiter may have left this free permit to it.
@@ -300,12 +443,17 @@ fields[4] = demand
 if running == 0 and demand == 0 then
   redis.call('DEL', T)  -- the group is idle: nothing of it stays
 elseif mine == 0 and not waits then
-  redis.call('HDEL', T, 'p' .. tenant, 'l' .. tenant)  -- the tenant is idle
+  redis.call('HDEL', T, 'p' .. tenant, 'l' .. tenant, 'q' .. tenant)  -- the tenant is idle
   redis.call('HSET', T, 'r', running, 'd', demand)
 else
   redis.call('HSET', T, unpack(fields))
 end
+local madeP, madeD = running0 == 0 and running > 0, demand0 == 0 and demand > 0
+"""
+    + _PERMITS_KEEP
+    + """
 local wake = -1
+local rw, gw = 0, 0
 if grant < want then
   local soonest = nil
   if running > 0 then soonest = tonumber(redis.call('ZRANGE', P, 0, 0, 'WITHSCORES')[2]) end
@@ -316,8 +464,16 @@ if grant < want then
     if other and (not soonest or tonumber(other) < soonest) then soonest = tonumber(other) end
   end
   if soonest then wake = math.max(0, soonest - now) end
+  if gi > 0 then
+    gw = rwait(gtat, nowus, gi, gb, 1)
+    -- The next group token nobody further behind has a claim on.
+    local beyond = math.ceil(rwait(gtat, nowus, gi, gb, better + 1) / 1000)
+    if beyond > 0 and (wake < 0 or beyond < wake) then wake = beyond end
+  end
+  rw = gw
+  if ti > 0 then rw = math.max(rw, rwait(ttat, nowus, ti, tb, 1)) end
 end
-return {first, grant, running, mine, wake}
+return {first, grant, running, mine, wake, math.ceil(rw), math.ceil(gw), nowus}
 """
 )
 
@@ -366,7 +522,7 @@ return held
 # KEYS: permits, demand, state. ARGV: most ms, then token, tenant pairs.
 # Returns the tokens of the pairs no longer held.
 _PERMITS_EXTEND: Final = (
-    "local FIELDS = {}"
+    "local FIELDS = {'x'}\nlocal XAT = 3"
     + _PERMITS_EXPIRE
     + """
 local untl = string.format('%d', now + tonumber(ARGV[1]))
@@ -400,6 +556,11 @@ if changed then
     redis.call('HSET', T, 'r', running, 'd', demand)
   end
 end
+local need, madeP, madeD = 0, false, false
+if running > 0 then need = tonumber(untl) end
+"""
+    + _PERMITS_KEEP
+    + """
 return missing
 """
 )
@@ -419,6 +580,9 @@ _PERMANENT_REPLIES: Final = (
     "ERR AUTH",
     "ERR invalid password",
     "ERR Client sent AUTH",
+    # SELECT of a database the server does not have (redis-py drops the "ERR " of the reply).
+    "DB index is out of range",
+    "ERR DB index is out of range",
 )
 _slot_tags: list[str] | None = None
 
@@ -448,8 +612,26 @@ def _sha(script: str) -> str:
     return hashlib.sha1(script.encode()).hexdigest()
 
 
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a SCAN ``MATCH`` pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _reply_dict(flat: Any) -> dict[str, str]:
+    """A flat ``[key, value, ...]`` script reply (HGETALL, ZRANGE WITHSCORES) as a dict."""
+    items = [v.decode() if isinstance(v, bytes) else str(v) for v in flat or ()]
+    return dict(zip(items[::2], items[1::2], strict=True))
+
+
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
+
+
+def _rate_argv(rate: RateArgs | None) -> tuple[str, int]:
+    """A rate as two script arguments: its interval in microseconds (exact text) and burst."""
+    if rate is None:
+        return "0", 0
+    return repr(rate[0] * 1e6), rate[1]
 
 
 def _pairs(permits: Sequence[tuple[int, str]]) -> list[object]:
@@ -505,7 +687,7 @@ class RedisLeases(LeaseProvider):
                 f"prefix must not contain '{{' or '}}' ({prefix!r}): the name's hash tag must be "
                 "the first one in its key"
             )
-        seconds = check_duration("timeout", timeout)
+        seconds = check_length(timeout, "timeout")
         redis_mod = require("redis", "redis")
         route_driver_logs("redis")
         from redis.backoff import NoBackoff
@@ -531,6 +713,7 @@ class RedisLeases(LeaseProvider):
             pool = client.connection_pool
             self.url = repr(client)
         connection_class: Callable[..., Any] = pool.connection_class
+        self._db = pool.connection_kwargs.get("db", 0)  # named by the error for a missing one
         settings = {
             **pool.connection_kwargs,
             "socket_timeout": seconds,
@@ -644,6 +827,12 @@ class RedisLeases(LeaseProvider):
                 "grant the user EVALSHA, EVAL, PUBLISH and SUBSCRIBE on the prefix's keys "
                 "and channels (ACL SETUSER ... ~prefix* &prefix* +@scripting +@pubsub)"
             )
+        elif "DB index is out of range" in text:
+            fix = (
+                f"the server has no database {self._db}: name one it has in the URL "
+                "(redis://host:port/0; the server's 'databases' setting, 16 by default, bounds "
+                "the index), or raise 'databases' in its configuration"
+            )
         elif text.startswith("ERR unknown command"):
             fix = "the server lacks Lua scripting (EVALSHA): use Redis 6.2 or later"
         else:
@@ -670,6 +859,8 @@ class RedisLeases(LeaseProvider):
                 key + ":token",
                 _ms(at_most_for),
                 least,
+                # A name this provider's waiters wait for: mark the grant (see "Notifications").
+                1 if self._listener.watching(name) else 0,
                 action="grant a lease",
             )
         )
@@ -743,6 +934,71 @@ class RedisLeases(LeaseProvider):
     def _store_close(self) -> None:
         self._connections.close()
 
+    def _store_list(self) -> StoreListing:
+        """SCAN the prefix's keys (every primary of a cluster), then read each lease and group
+        with a read-only script. Redis records no holder and marks no waiters."""
+        leases: list[LeaseEntry] = []
+        groups = []
+        try:
+            keys = sorted(set(self._scan(_glob_escape(self.prefix) + "*")))
+        except self._errors as exc:
+            raise self._error(exc, "list the leases") from exc
+        for key in keys:
+            rest = key[len(self.prefix) :]
+            if rest.startswith("fleet:{#") and rest.endswith("}:t"):
+                group = rest[len("fleet:{#") : -len("}:t")]
+                entry = self._read_group(group)
+                if entry is not None:
+                    groups.append(entry)
+                continue
+            if rest.startswith("}{#") and rest.endswith("}") and self.cluster:
+                name = rest[3:-1]  # a name starting with "}" on a cluster (see _key)
+            elif rest.startswith("{") and rest.endswith("}"):
+                name = rest[1:-1]
+            else:
+                continue  # the token sequence, a legacy counter, a group's sets
+            found = self._store_holder(name)
+            if found is not None:
+                token, left, released = found
+                leases.append(LeaseEntry(name, token, left, released))
+        leases.sort(key=lambda entry: entry.name)
+        return StoreListing(
+            "redis", tuple(leases), tuple(groups), holders=False, waiter_marks=False
+        )
+
+    def _scan(self, pattern: str) -> list[str]:
+        connections = self._connections
+        if isinstance(connections, _ClusterCommands):
+            found = connections._cluster.scan_iter(match=pattern, count=1000)
+            return [k.decode() if isinstance(k, bytes) else str(k) for k in found]
+        keys: list[str] = []
+        cursor: Any = 0
+        while True:
+            cursor, batch = connections.call("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
+            keys.extend(k.decode() if isinstance(k, bytes) else str(k) for k in batch)
+            if int(cursor) == 0:
+                return keys
+
+    def _read_group(self, group: str) -> Any:
+        reply = self._eval(
+            _PERMITS_READ, _PERMITS_READ_SHA, 3, *self._permit_keys(group), action="list a group"
+        )
+        now = float(reply[0])
+        state = _reply_dict(reply[1])
+        permits = [
+            (member.split(":", 1)[1], float(score))
+            for member, score in _reply_dict(reply[2]).items()
+        ]
+        demand = {tenant: float(until) for tenant, until in _reply_dict(reply[3]).items()}
+        limits = {field[1:]: int(value) for field, value in state.items() if field.startswith("l")}
+        return group_entry(
+            group,
+            now / 1000.0,
+            ((t, u / 1000.0) for t, u in permits),
+            limits,
+            {t: u / 1000.0 for t, u in demand.items()},
+        )
+
     # -- fleet permits (see _permits.py and the module docstring's "Keys") ------------------
 
     def _permit_keys(self, group: str) -> tuple[str, str, str]:
@@ -751,6 +1007,10 @@ class RedisLeases(LeaseProvider):
         # leave each key in a slot of its own).
         base = f"{self.prefix}fleet:{{#{group}}}:"
         return base + "p", base + "d", base + "t"
+
+    def _rate_key(self, group: str) -> str:
+        """The group's rate buckets (a sorted set of tats), in the group's hash slot."""
+        return f"{self.prefix}fleet:{{#{group}}}:q"
 
     def _permits_acquire(
         self,
@@ -763,14 +1023,18 @@ class RedisLeases(LeaseProvider):
         most: float,
         demand_for: float,
         more: bool,
+        *,
+        rate: RateArgs | None = None,
+        tenant_rate: RateArgs | None = None,
     ) -> PermitReply:
         keys = self._permit_keys(group)
-        first, count, running, mine, wake = self._eval(
+        first, count, running, mine, wake, rate_wait, group_wait, now = self._eval(
             _PERMITS_ACQUIRE,
             _PERMITS_ACQUIRE_SHA,
-            4,
+            5,
             *keys,
             self._sequence_key(keys[0]),
+            self._rate_key(group),
             tenant,
             want,
             repr(float(weight)),  # the shortest text that reads back as the same double
@@ -780,6 +1044,8 @@ class RedisLeases(LeaseProvider):
             _ms(demand_for),
             1 if more else 0,
             self._channel(hub_name(group)),
+            *_rate_argv(rate),
+            *_rate_argv(tenant_rate),
             action="acquire fleet permits",
         )
         return PermitReply(
@@ -787,6 +1053,9 @@ class RedisLeases(LeaseProvider):
             None if wake < 0 else wake / 1000.0,
             running,
             mine,
+            rate_wait / 1e6,
+            group_wait / 1e6,
+            now / 1e6,
         )
 
     def _permits_release(
@@ -833,6 +1102,7 @@ _RELEASE_SHA: Final = _sha(_RELEASE)
 _PERMITS_ACQUIRE_SHA: Final = _sha(_PERMITS_ACQUIRE)
 _PERMITS_RELEASE_SHA: Final = _sha(_PERMITS_RELEASE)
 _PERMITS_EXTEND_SHA: Final = _sha(_PERMITS_EXTEND)
+_PERMITS_READ_SHA: Final = _sha(_PERMITS_READ)
 
 
 class _Connections:

@@ -27,7 +27,12 @@ IMMEDIATE`` transaction: read the row and the clock, run the reference ``PermitG
 method, write the row back; the write lock serializes it with every other writer of the
 file, lease grants included, so its tokens come straight from ``<table>_seq`` (read once,
 written back once) and interleave with the leases' in one increasing sequence. Releases and
-withdrawals wake this provider's waiters directly; other processes' waiters poll.
+withdrawals wake this provider's waiters directly; other processes' waiters poll. Fleet rates
+(``_permits.py``) are part of the same JSON and the same transaction, on the clock SQLite reads
+(``julianday('now')``, milliseconds): each process's reading of the machine's clock, which is
+the limit here (processes of one machine share it; a step of the clock shifts every bucket). A
+group's JSON also records when everything in it expires (``x``), and a step deletes the rows of
+groups whose time has passed, at most once a second (groups a crashed fleet left behind).
 """
 
 from __future__ import annotations
@@ -36,18 +41,21 @@ import contextlib
 import os
 import socket
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
+from pathlib import Path
 from time import monotonic
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from rxcoord._errors import LeaseStoreMisconfigured, LeaseStoreUnavailable
 
+from ..._core.checks import check_identifier, check_length
 from .._base import LeaseProvider
+from .._listing import LeaseEntry, StoreListing, group_entry
 from .._notify import WaitHub
-from .._permits import PermitGroup, PermitReply, hub_name
-from .._validate import check_duration, check_table
+from .._permits import PermitGroup, PermitReply, RateArgs, hub_name
 
 __all__ = ["SqliteLeases"]
 
@@ -67,6 +75,41 @@ _PERMANENT: Final = (
 )
 
 
+def _check_usable(path: str) -> None:
+    """Refuse a database path this process can never use (checked once, at construction).
+
+    Raises:
+        LeaseStoreMisconfigured: See :class:`SqliteLeases`.
+    """
+    if path in ("", ":memory:"):  # private databases: nothing on disk
+        return
+    problem = _unusable(os.path.abspath(path))
+    if problem:
+        raise LeaseStoreMisconfigured(f"SQLite lease store {path!r} cannot be used: {problem}")
+
+
+def _unusable(full: str) -> str:
+    """Why this process can never use the database file ``full``, or ''."""
+    directory = os.path.dirname(full)
+    try:
+        if not stat.S_ISDIR(os.stat(directory).st_mode):
+            return f"{directory!r} is not a directory"
+    except FileNotFoundError:
+        return f"its directory {directory!r} does not exist: create it, or use another path"
+    except OSError as exc:  # a directory on the way this process may not enter, say
+        return f"its directory {directory!r} cannot be reached: {exc.strerror}"
+    if os.path.isdir(full):
+        return "it is a directory: name a database file in it (leases.db)"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return (
+            f"this process may not write in its directory {directory!r} (SQLite creates the "
+            "file and its -wal and -shm files beside it): use a directory it can write"
+        )
+    if os.path.exists(full) and not os.access(full, os.R_OK | os.W_OK):
+        return "this process may not read and write the file: use one it can"
+    return ""
+
+
 class SqliteLeases(LeaseProvider):
     """Leases in an SQLite database file, shared by the processes of one machine.
 
@@ -84,6 +127,11 @@ class SqliteLeases(LeaseProvider):
 
     Raises:
         ValueError: Invalid table name or durations.
+        LeaseStoreMisconfigured: ``path``'s directory does not exist or is not a directory,
+            this process may not write in it (SQLite creates the file and its ``-wal`` and
+            ``-shm`` files there), or ``path`` names a directory or a file this process may
+            not read and write: refused here rather than at the first grant, since no retry
+            would fix it.
     """
 
     backend = "sqlite"
@@ -97,11 +145,12 @@ class SqliteLeases(LeaseProvider):
         durable: bool = True,
         poll: tuple[float, float] = (0.002, 0.05),
     ) -> None:
-        parts = check_table(table)
-        self._timeout = check_duration("timeout", timeout, allow_zero=True)
-        first = check_duration("poll[0]", poll[0])
-        cap = check_duration("poll[1]", poll[1])
+        parts = check_identifier(table)
+        self._timeout = check_length(timeout, "timeout", allow_zero=True)
+        first = check_length(poll[0], "poll[0]")
+        cap = check_length(poll[1], "poll[1]")
         self.path = os.fspath(path)
+        _check_usable(self.path)
         self.table = table
         self._durable = durable
         self._conn: sqlite3.Connection | None = None
@@ -160,10 +209,19 @@ class SqliteLeases(LeaseProvider):
             "ON CONFLICT (name) DO UPDATE SET state = excluded.state"
         )
         self._sql_permits_delete = f"DELETE FROM {permits} WHERE name = ?1"
+        # Groups nobody calls any more (a crashed fleet): everything in them expired.
+        self._sql_permits_sweep = f"DELETE FROM {permits} WHERE json_extract(state, '$.x') <= ?1"
         # Permits take their tokens from the leases' sequence (read once, written back once).
         self._sql_seq_read = f"SELECT token FROM {q} WHERE id = 1"
         self._sql_seq_write = f"UPDATE {q} SET token = ?1 WHERE id = 1 AND token < ?1"
+        # rxcoord inspect: read-only, on a connection of its own (no schema set-up, no sweep).
+        self._sql_list = (
+            f"SELECT name, token, locked_until - {_NOW}, released, locked_by FROM {t} "
+            f"WHERE locked_until > {_NOW} ORDER BY name"
+        )
+        self._sql_list_groups = f"SELECT name, state, {_NOW} FROM {permits} ORDER BY name"
         self._next_sweep = 0.0
+        self._next_permits_sweep = 0.0
         super().__init__(WaitHub(), poll=(first, max(first, cap)))
 
     def _describe(self) -> str:
@@ -338,6 +396,9 @@ class SqliteLeases(LeaseProvider):
                 raise self._fail(exc, action) from exc
             try:
                 now, state = conn.execute(self._sql_permits_read, (group,)).fetchone()
+                if monotonic() >= self._next_permits_sweep:
+                    self._next_permits_sweep = monotonic() + _SWEEP_EVERY
+                    conn.execute(self._sql_permits_sweep, (now,))
                 table = PermitGroup.loads(state)
                 tokens = _Tokens(conn, self._sql_seq_read)
                 result = step(table, float(now), tokens.next)
@@ -367,12 +428,26 @@ class SqliteLeases(LeaseProvider):
         most: float,
         demand_for: float,
         more: bool,
+        *,
+        rate: RateArgs | None = None,
+        tenant_rate: RateArgs | None = None,
     ) -> PermitReply:
         def step(
             table: PermitGroup, now: float, next_token: Callable[[], int]
         ) -> tuple[PermitReply, bool]:
             return table.acquire(
-                now, next_token, tenant, want, weight, tenant_limit, limit, most, demand_for, more
+                now,
+                next_token,
+                tenant,
+                want,
+                weight,
+                tenant_limit,
+                limit,
+                most,
+                demand_for,
+                more,
+                rate,
+                tenant_rate,
             )
 
         reply, notify = self._permits_step(group, None, "acquire fleet permits", step)
@@ -408,12 +483,53 @@ class SqliteLeases(LeaseProvider):
             lambda table, now, _: table.extend(now, permits, most),
         )
 
+    def _store_list(self) -> StoreListing:
+        try:
+            # Read-only (mode=ro): a missing file is an error, never created; missing tables
+            # (a file no provider has set up) list nothing.
+            conn = sqlite3.connect(
+                f"{Path(self.path).resolve().as_uri()}?mode=ro",
+                uri=True,
+                timeout=self._timeout,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise self._fail(exc, "list the leases") from exc
+        try:
+            leases = tuple(
+                LeaseEntry(str(name), int(token), float(left), bool(released), str(holder))
+                for name, token, left, released, holder in _rows(conn, self._sql_list)
+            )
+            groups = []
+            for name, state, now in _rows(conn, self._sql_list_groups):
+                table = PermitGroup.loads(state)
+                entry = group_entry(
+                    str(name), float(now), table.permits.values(), table.limits, table.demand
+                )
+                if entry is not None:
+                    groups.append(entry)
+        except sqlite3.Error as exc:
+            raise self._fail(exc, "list the leases") from exc
+        finally:
+            conn.close()
+        return StoreListing("sqlite", leases, tuple(groups), holders=True, waiter_marks=False)
+
     def _store_close(self) -> None:
         with self._conn_lock:
             conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
+
+
+def _rows(conn: sqlite3.Connection, query: str) -> list[Any]:
+    """All rows of a read-only query; none when its table does not exist (yet)."""
+    try:
+        return conn.execute(query).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return []
+        raise
 
 
 class _Tokens:
@@ -447,9 +563,21 @@ from .._registry import LeaseBackend  # noqa: E402
 
 
 def _from_url(url: str, rest: str, **options: _Any) -> SqliteLeases:
-    """``sqlite:///abs/path.db`` or ``sqlite://relative.db``."""
+    """``sqlite:///abs/path.db``: ``sqlite://`` followed by an absolute path.
+
+    Raises:
+        ValueError: No path, or a relative one (``sqlite://rel.db``: in a URL the part after
+            ``//`` is a host, and a relative path depends on the working directory of every
+            process that reads the configuration).
+    """
     if not rest:
         raise ValueError(f"no database path in {url!r}: use sqlite:///path/to/leases.db")
+    if not os.path.isabs(rest):
+        raise ValueError(
+            f"{url!r} names no absolute path: write sqlite:// followed by an absolute path, "
+            f"sqlite://{os.path.abspath(rest)} (three slashes), or pass a relative path to "
+            "SqliteLeases(path)"
+        )
     return SqliteLeases(rest, **options)
 
 

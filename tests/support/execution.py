@@ -1,23 +1,26 @@
 """Test doubles shared by the coordinator, scheduler and execution contract tests.
 
 ``Outcome`` records what one subscription received, ``Gate`` is a job that holds its slot until
-the test opens it, and ``ThreadedVirtualScheduler`` runs jobs on real threads while their
-timeouts wait on a virtual clock the test advances: no test has to sleep to let a timeout fire.
+the test opens it, ``ManualScheduler`` runs a scheduled job only when the test says so, and
+``ThreadedVirtualScheduler`` runs jobs on real threads while their timeouts wait on a virtual
+clock the test advances: no test has to sleep to let a timeout fire.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import reactivex
 from reactivex import abc
 from reactivex.disposable import Disposable
+from reactivex.scheduler.scheduler import Scheduler
 from reactivex.testing import TestScheduler
 
-__all__ = ["WAIT", "Gate", "Outcome", "ThreadedVirtualScheduler"]
+from .waiting import WAIT
 
-WAIT = 10.0  # generous bound for events that must happen; never reached when the code is right
+__all__ = ["WAIT", "Gate", "ManualScheduler", "Outcome", "ThreadedVirtualScheduler"]
 
 _TState = TypeVar("_TState")
 
@@ -45,6 +48,24 @@ class Outcome(abc.ObserverBase[Any]):
     def subscribe_to(self, observable: reactivex.Observable[Any]) -> abc.DisposableBase:
         """Subscribe with callbacks (the path most callers take)."""
         return observable.subscribe(self.on_next, self.on_error, self.on_completed)
+
+
+class ManualScheduler(Scheduler):
+    """Runs a scheduled action only when the test says so: 'running' jobs stay running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actions: list[Callable[[], Any]] = []
+
+    def schedule(self, action: Any, state: Any = None) -> abc.DisposableBase:
+        self.actions.append(lambda: action(self, state))
+        return Disposable()
+
+    def schedule_relative(self, duetime: Any, action: Any, state: Any = None) -> Any:
+        raise NotImplementedError
+
+    def schedule_absolute(self, duetime: Any, action: Any, state: Any = None) -> Any:
+        raise NotImplementedError
 
 
 class Gate:
