@@ -18,7 +18,10 @@ of moving the new assignment's commit point.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from ._offsets import Claim
 
 __all__ = ["ACTIVE", "REVOKED", "REVOKING", "PartitionState"]
 
@@ -70,7 +73,7 @@ class PartitionState:
         self.paused = False
         # With ``offsets=``: this assignment's claim in the store (its epoch, the offsets done
         # before it began); see ``_offsets.py``. None without a store, or until claimed.
-        self.claim: Any = None
+        self.claim: Claim | None = None
 
     def advance(self) -> None:
         """Move the prefix past the completed head of ``order`` (poll thread, under the lock)."""
