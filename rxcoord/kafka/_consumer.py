@@ -81,6 +81,7 @@ from rxcoord._core.workers import WorkerPool
 
 from ._engine import Engine
 from ._errors import ConsumerClosed
+from ._offsets import Dropped, PostgresOffsets, Stopped
 from ._partitions import ACTIVE, REVOKED, PartitionState
 from ._record import Record
 from ._stats import ConsumerState, ConsumerStats, PartitionStats
@@ -95,6 +96,7 @@ _CLAMP: Final = 4 * _INLINE_BELOW  # a timed call counts at most this long in th
 _STALL: Final = 0.01  # seconds between the watchdog's looks at the running inline call
 _RETRY_AFTER: Final = 0.05  # seconds before a record refused with TooManyTasks is offered again
 _NOT_RUN: Final = object()  # a job of a revoked partition (or a stopped consumer) that never ran
+_LEAVE_GRACE: Final = 1.0  # seconds the final commit and the group leave get past the drain
 
 
 class _Handover(Exception):
@@ -139,12 +141,17 @@ class KeyedConsumer:
     :meth:`run_async`, or on a loop thread the consumer owns under :meth:`run`), or return an
     Observable (the record ends when it terminates) or a future.
 
+    With ``offsets=PostgresOffsets(...)`` the consumer is exactly-once into PostgreSQL: the
+    handler takes ``(record, tx)`` and its effects commit in one transaction with the record's
+    position, fenced per assignment (see :class:`PostgresOffsets`).
+
     Args:
         config: confluent-kafka configuration, passed through; ``bootstrap.servers`` and
             ``group.id`` are required, ``enable.auto.commit`` must not be true (the consumer
             commits itself). An ``on_commit`` callback is called after the consumer's own.
         topics: Topic names (or ``^regex`` patterns) to subscribe to.
-        handle: Called with each :class:`Record`.
+        handle: Called with each :class:`Record` (with ``offsets=``: with the record and
+            ``tx``, the connection of its transaction).
         key: ``key(record)`` returns the ordering key; default: the record's key, and records
             without a key are each their own key.
         max_concurrency: Most handlers running at once.
@@ -161,7 +168,10 @@ class KeyedConsumer:
             Past it the partition goes to its new owner while the record may still run here:
             per-key exclusion across processes past this deadline needs
             ``scheduler=TenantTaskCoordinator(leases=...)`` (a lease per key).
-        drain_timeout: Seconds ``close(drain=True)`` and signals wait for fetched records.
+        drain_timeout: Seconds ``close(drain=True)`` and signals wait for fetched records;
+            the final commit and the group leave then get what is left of it (at least a
+            second), so ``run()`` returns within about ``drain_timeout`` + 1 s of the stop,
+            also when the broker stopped answering.
         startup_timeout: Seconds ``run()`` waits for the cluster's metadata before failing.
         batch_size: Most records fetched per ``consume()`` call.
         inline: Where sync handlers run when their key has nothing queued or running and a
@@ -173,19 +183,23 @@ class KeyedConsumer:
             inline call that runs longer than about 10 ms is taken over: the poll loop moves
             to a new thread and the call finishes as a worker's, so one blocking call holds
             the other keys back for about 20 ms, not for its whole duration
-            (``stats().handovers`` counts them).
+            (``stats().handovers`` counts them). With ``offsets=``, ``None`` means ``False``:
+            a database transaction always costs more than a thread hand-off.
+        offsets: A :class:`PostgresOffsets`: exactly once into PostgreSQL (see above); the
+            store serves this consumer only.
 
     Raises:
         TypeError: an argument has the wrong type.
         ValueError: an argument is out of range, or the configuration lacks ``group.id`` or
-            ``bootstrap.servers``, enables auto-commit, or is refused by confluent-kafka.
+            ``bootstrap.servers``, enables auto-commit, or is refused by confluent-kafka; or
+            ``offsets`` serves another consumer already.
     """
 
     def __init__(
         self,
         config: Mapping[str, Any],
         topics: Sequence[str],
-        handle: Callable[[Record], Any],
+        handle: Callable[[Record], Any] | Callable[[Record, Any], Any],
         *,
         key: Callable[[Record], Hashable] | None = None,
         max_concurrency: int = 64,
@@ -199,6 +213,7 @@ class KeyedConsumer:
         startup_timeout: float = 10.0,
         batch_size: int = 500,
         inline: bool | None = None,
+        offsets: PostgresOffsets | None = None,
     ) -> None:
         config = _check_config(config)
         topics = _check_topics(topics)
@@ -233,7 +248,9 @@ class KeyedConsumer:
             )
         if inline is not None and not isinstance(inline, bool):
             raise TypeError(f"inline must be True, False or None, not {inline!r}")
-        self._handle = handle
+        if offsets is not None and not isinstance(offsets, PostgresOffsets):
+            raise TypeError(f"offsets must be a PostgresOffsets or None, not {offsets!r}")
+        self._handle = cast("Callable[[Record], Any]", handle)
         self._key = key
         self._scheduler = scheduler
         self._tenant = tenant
@@ -245,6 +262,8 @@ class KeyedConsumer:
         self._single_topic = topics[0] if len(topics) == 1 and topics[0][:1] != "^" else None
         # Only sync handlers run by the consumer itself can run on the poll thread.
         self._can_inline = inline is not False and not self._is_async and scheduler is None
+        if offsets is not None and inline is None:
+            self._can_inline = False  # a transaction always costs more than a hand-off
         # The measured average duration of a sync handler call (seconds), each sample clamped
         # to _CLAMP: one call preempted for a GIL switch interval (5 ms) must not send a fast
         # handler to the workers, so it takes about six slow samples in a row to cross
@@ -261,7 +280,22 @@ class KeyedConsumer:
             startup_timeout=_check_seconds(startup_timeout, "startup_timeout"),
             batch_size=batch_size,
             name=str(config["group.id"]),
+            offsets=offsets,
         )
+        self._offsets = offsets
+        if offsets is not None:
+            # The hook where a record starts: the store runs the handler inside the record's
+            # transaction (and applies on_error there, see _ended).
+            try:
+                self._handle = offsets.bind(
+                    handle,
+                    group=str(config["group.id"]),
+                    max_concurrency=self._max_concurrency,
+                    on_error=self._apply_on_error,
+                )
+            except BaseException:
+                self._engine.consumer.close()
+                raise
         self._engine.processor = self
         self._lock = self._engine.lock
         self._log = self._engine.log
@@ -284,7 +318,8 @@ class KeyedConsumer:
         self._failed = 0
         self._dropped = 0
         self._accepting = True  # new records may start (false once stopping without drain)
-        self._stop = threading.Event()
+        self._stop = self._engine.interrupt  # set to end the run (a waiting claim gives up)
+        self._drain_deadline: float | None = None
         self._drain = True
         self._failure: BaseException | None = None
         self._done = threading.Event()  # run() has finished
@@ -522,13 +557,24 @@ class KeyedConsumer:
         self._end_run()
 
     def _end_run(self) -> None:
-        """Commit, leave the group, stop the workers; the run is over (on the poll thread)."""
+        """Commit, leave the group, stop the workers; the run is over (on the poll thread).
+
+        The commit and the leave get what is left of ``drain_timeout`` (at least
+        ``_LEAVE_GRACE``), then are abandoned.
+        """
+        now = time.monotonic()
+        drained = self._drain_deadline
+        deadline = max(
+            now + self._drain_timeout if drained is None else drained, now + _LEAVE_GRACE
+        )
         try:
-            self._engine.close()
+            self._engine.close(deadline)
         except BaseException as exc:
             if self._error is None:
                 self._error = exc
         finally:
+            if self._offsets is not None:
+                self._offsets.close()  # before the loop stops: an async pool closes on it
             self._shutdown_workers()
             with self._lock:
                 self._state = ConsumerState.CLOSED
@@ -544,7 +590,7 @@ class KeyedConsumer:
                 self._accepting = False
                 self._drop_queued()
         engine.pause_all()
-        deadline = time.monotonic() + self._drain_timeout
+        deadline = self._drain_deadline = time.monotonic() + self._drain_timeout
         # Keep polling (callbacks, membership) with every partition paused until the fetched
         # records ended or the deadline passed. With a stop, only running records are awaited.
         while time.monotonic() < deadline:
@@ -970,7 +1016,16 @@ class KeyedConsumer:
         Returns the records that take slots now (to be started by the caller, outside the lock).
         """
         if error is not None and not dropped:
-            error = self._apply_on_error(record, error)
+            # The hook where a record ends, for offsets= (see _offsets.py): a fenced record's
+            # transaction rolled back, so its result is dropped like a revoked partition's; a
+            # Stopped record went through on_error already (or must not: it is not done).
+            if isinstance(error, Dropped):
+                error, dropped, started = None, True, True if started is None else started
+            elif isinstance(error, Stopped):
+                error = error.error
+                self._fail(error)
+            else:
+                error = self._apply_on_error(record, error)
         st = record._state
         successors: list[Record] = []
         with self._lock:

@@ -15,6 +15,19 @@ rebalance callbacks, too, are called by librdkafka inside ``consume()`` on that 
 poll thread is one thread at a time, not always the same one: ``KeyedConsumer`` moves the loop
 to a new thread when an inline handler blocks, handing over under ``lock``.)
 
+With an offsets store (``PostgresOffsets``, see ``_offsets.py``) each assignment first *claims*
+its partitions in the database (a new epoch each, the stored prefix and the offsets done beyond
+it) and starts fetching at the stored prefix, the store's position winning over Kafka's; the
+engine folds the completed prefixes into the store (before committing them to Kafka, which so
+stays behind the database) periodically, on revoke and on close.
+
+The end of a run is bounded: the final commit and the group leave run on a helper thread that
+the engine waits for until a deadline (``KeyedConsumer``'s ``drain_timeout``), then abandons with
+a warning; a broker that stopped answering made them wait for librdkafka's request timeouts
+(over 60 s seen on the test broker during a rebalance).
+
+librdkafka's log goes to loguru through the consumer's ``logger`` setting (``_logs.py``).
+
 Backpressure keeps the consumer in its group: beyond ``max_in_flight`` uncommitted records the
 partitions holding more than their share are paused (``Consumer.pause``) while polling goes on,
 and resumed once the total fell to three quarters of the limit or the partition below half its
@@ -26,17 +39,22 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from loguru import logger
 
-from ._errors import BrokerUnavailable, UnknownTopic
+from . import _logs
+from ._errors import BrokerUnavailable, OffsetStoreError, OffsetStoreUnavailable, UnknownTopic
 from ._partitions import REVOKED, REVOKING, PartitionState
+
+if TYPE_CHECKING:
+    from ._offsets import Claim, PostgresOffsets
 
 __all__ = ["Engine", "Processor", "complete", "make_consumer"]
 
 _POLL_TIMEOUT = 0.05  # seconds consume() waits for a batch: bounds the latency of close and commit
+_CLAIM_BACKOFF: Final = (0.1, 5.0)  # seconds between claims while the database is away
 
 
 class Processor(Protocol):
@@ -83,6 +101,9 @@ def make_consumer(config: Mapping[str, Any], on_commit: Callable[..., None]) -> 
     conf["enable.auto.commit"] = False
     conf["enable.auto.offset.store"] = False
     conf["on_commit"] = commit_cb
+    # librdkafka's log through loguru (folded), not printed to stderr; the application's own
+    # logger, if it passes one, wins.
+    conf.setdefault("logger", _logs.librdkafka_logger())
     try:
         return Consumer(conf)
     except KafkaException as exc:
@@ -103,6 +124,7 @@ class Engine:
         startup_timeout: float,
         batch_size: int,
         name: str,
+        offsets: PostgresOffsets | None = None,
     ) -> None:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # notified when records end (waiters only)
@@ -114,6 +136,15 @@ class Engine:
         self.startup_timeout = startup_timeout
         self.batch_size = batch_size
         self.bootstrap = str(config.get("bootstrap.servers", ""))
+        self.store = offsets
+        # Set when the run should end: a claim waiting for the database gives up then.
+        self.interrupt = threading.Event()
+        # With the cooperative protocols an assignment is incremental: it must be added to,
+        # not replaced (librdkafka refuses the other call).
+        strategy = str(config.get("partition.assignment.strategy", ""))
+        self._incremental = "cooperative" in strategy or (
+            str(config.get("group.protocol", "classic")).lower() == "consumer"
+        )
         self.log = logger.bind(consumer=name)
         self.consumer = make_consumer(config, self._on_commit)
         self.states: dict[tuple[str, int], PartitionState] = {}
@@ -138,6 +169,8 @@ class Engine:
         try:
             metadata = self.consumer.list_topics(timeout=self.startup_timeout)
         except KafkaException as exc:
+            # The log lines librdkafka queued say why (refused, unresolved...): deliver them.
+            self.consumer.poll(0)
             raise BrokerUnavailable(
                 f"no Kafka broker of bootstrap.servers={self.bootstrap!r} answered within "
                 f"{self.startup_timeout:g}s ({exc.args[0]}): check the address and that the "
@@ -181,7 +214,10 @@ class Engine:
         now = time.monotonic()
         if now >= self._next_commit:
             self._next_commit = now + self.commit_interval
-            self.commit(list(self.states.values()), asynchronous=True)
+            states = list(self.states.values())
+            if self.store is not None:
+                self.store.fold(states)  # the database first: Kafka's commit stays behind it
+            self.commit(states, asynchronous=True)
             self._refresh_watermarks()
 
     def _refresh_watermarks(self) -> None:
@@ -294,14 +330,51 @@ class Engine:
             finally:
                 self.waiters -= 1
 
-    def close(self) -> None:
-        """Commit what completed and leave the group (the revoke callback commits nothing new)."""
+    def close(self, deadline: float | None = None) -> None:
+        """Commit what completed and leave the group (the revoke callback commits nothing new).
+
+        With ``deadline`` (``time.monotonic()``), return by then at the latest: the commit and
+        the leave run on a helper thread, abandoned (still running, a daemon) if they take
+        longer.
+
+        Raises:
+            Exception: The commit or the leave failed before the deadline.
+        """
         self._closing = True
+        try:
+            if deadline is None:
+                self._final_commit_and_leave()
+                return
+            errors: list[BaseException] = []
+
+            def final() -> None:
+                try:
+                    self._final_commit_and_leave()
+                except BaseException as exc:
+                    errors.append(exc)
+
+            helper = threading.Thread(target=final, name="rxcoord-kafka-close", daemon=True)
+            helper.start()
+            helper.join(max(0.0, deadline - time.monotonic()))
+            if helper.is_alive():
+                self.log.warning(
+                    "the final commit and the group leave did not finish in time (the broker "
+                    "does not answer?): abandoned; the group notices after session.timeout.ms"
+                )
+            elif errors:
+                raise errors[0]
+        finally:
+            _logs.flush()
+
+    def _final_commit_and_leave(self) -> None:
         try:
             with self.lock:
                 for state in self.states.values():
                     state.advance()
-            self.commit(list(self.states.values()), asynchronous=False)
+            states = list(self.states.values())
+            if self.store is not None:
+                self.store.fold(states, final=True)
+            self.commit(states, asynchronous=False)
         finally:
             self.consumer.close()
 
@@ -310,12 +383,58 @@ class Engine:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         with self.lock:
             self.rebalances += 1
+            states = []
             for tp in partitions:
                 self._epochs += 1
-                self.states[(tp.topic, tp.partition)] = PartitionState(
-                    tp.topic, tp.partition, self._epochs, self
-                )
+                state = PartitionState(tp.topic, tp.partition, self._epochs, self)
+                self.states[(tp.topic, tp.partition)] = state
+                states.append(state)
+        if self.store is not None:
+            self._claim(consumer, states)
         self.log.info("assigned {}", [(tp.topic, tp.partition) for tp in partitions])
+
+    def _claim(self, consumer: Consumer, states: list[PartitionState]) -> None:
+        """Claim the assigned partitions in the offsets store, then fetch from its positions.
+
+        Retried while the database is away (the poll thread waits here, heartbeats go on in
+        librdkafka's thread), until the claim succeeds or the run ends; a refusal ends the run.
+        A partition left unclaimed is assigned paused and never runs a record.
+        """
+        assert self.store is not None
+        wanted = [(s.topic, s.partition) for s in states]
+        delay, most = _CLAIM_BACKOFF
+        claims: dict[tuple[str, int], Claim] | None = None
+        while claims is None:
+            try:
+                claims = self.store.claim(wanted)
+            except OffsetStoreUnavailable as exc:
+                self.log.warning("claiming {} failed (retrying): {}", wanted, exc)
+                if self.interrupt.wait(delay):
+                    break
+                delay = min(delay * 2, most)
+            except OffsetStoreError as exc:
+                self.failure = exc
+                self.interrupt.set()
+                break
+        parts = []
+        with self.lock:
+            for s in states:
+                claim = None if claims is None else claims.get((s.topic, s.partition))
+                s.claim = claim
+                if claim is None:
+                    s.phase = REVOKED  # no record of it runs; the run is ending
+                parts.append(
+                    TopicPartition(s.topic, s.partition, claim.start)
+                    if claim is not None
+                    else TopicPartition(s.topic, s.partition)
+                )
+        if self._incremental:
+            consumer.incremental_assign(parts)
+        else:
+            consumer.assign(parts)
+        unclaimed = [tp for tp, s in zip(parts, states, strict=True) if s.claim is None]
+        if unclaimed:
+            consumer.pause(unclaimed)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         states = self._take(partitions)
@@ -341,6 +460,8 @@ class Engine:
         with self.lock:
             for s in states:
                 s.advance()
+        if self.store is not None:
+            self.store.fold(states, final=True)
         self.commit(states, asynchronous=False)
         with self.lock:
             for s in states:

@@ -4,17 +4,37 @@
      └── KafkaConsumerError          the keyed consumer could not do its job
           ├── BrokerUnavailable      no broker answered at start     (also a ConnectionError)
           ├── UnknownTopic           a subscribed topic does not exist (also a LookupError)
-          └── ConsumerClosed         the consumer was closed or already ran (also a RuntimeError)
+          ├── ConsumerClosed         the consumer was closed or already ran (also a RuntimeError)
+          └── OffsetStoreError       the offsets store (``PostgresOffsets``) could not do its job:
+               │                     the record is not done, and the consumer stops with it
+               ├── OffsetStoreUnavailable    the database could not be reached for longer than
+               │                             ``outage_timeout``          (also a ConnectionError)
+               └── OffsetStoreMisconfigured  the database refused for good (a missing privilege,
+                                             a wrong password): fix it, then restart
 
 A handler's own exception is not wrapped: with ``on_error="stop"``, ``run()`` raises it as is.
-confluent-kafka's ``KafkaException`` is mapped at the boundary with ``raise ... from exc``.
+confluent-kafka's ``KafkaException`` and psycopg's errors are mapped at the boundary with
+``raise ... from exc``.
+
+Why an ``OffsetStoreError`` stops the consumer whatever ``on_error`` says: ``"skip"`` (and an
+``on_error`` callable that returns) means "the record is done", and a record whose transaction
+could not be written is not done: skipping it would move the stored position past a record
+whose effects were never applied.
 """
 
 from __future__ import annotations
 
 from rxcoord import RxcoordError
 
-__all__ = ["BrokerUnavailable", "ConsumerClosed", "KafkaConsumerError", "UnknownTopic"]
+__all__ = [
+    "BrokerUnavailable",
+    "ConsumerClosed",
+    "KafkaConsumerError",
+    "OffsetStoreError",
+    "OffsetStoreMisconfigured",
+    "OffsetStoreUnavailable",
+    "UnknownTopic",
+]
 
 
 class KafkaConsumerError(RxcoordError):
@@ -34,3 +54,30 @@ class UnknownTopic(KafkaConsumerError, LookupError):
 
 class ConsumerClosed(KafkaConsumerError, RuntimeError):
     """The consumer was closed, or ``run()`` was called a second time: create a new consumer."""
+
+
+class OffsetStoreError(KafkaConsumerError):
+    """The offsets store could not record a record's transaction: the record is not done.
+
+    ``run()`` raises it (whatever ``on_error`` says): the stored position stays before the
+    record, so the next run processes it. Also raised when a handler given ``tx`` ends that
+    transaction itself (``tx.commit()``), which would commit its effects without the record's
+    mark.
+    """
+
+
+class OffsetStoreUnavailable(OffsetStoreError, ConnectionError):
+    """The database could not be reached (or kept failing) for longer than ``outage_timeout``.
+
+    Each record's transaction is retried through shorter outages (a restart, a failover); past
+    ``outage_timeout`` the consumer stops with this error and the next run resumes from the
+    stored position.
+    """
+
+
+class OffsetStoreMisconfigured(OffsetStoreError):
+    """The database refused the offsets store for a reason no retry fixes.
+
+    A missing privilege on the offsets table, a wrong password, an unknown database or role. The
+    message names the cause; the driver's error is the ``__cause__``.
+    """

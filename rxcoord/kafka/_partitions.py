@@ -18,7 +18,10 @@ of moving the new assignment's commit point.
 from __future__ import annotations
 
 from collections import deque
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from ._offsets import Claim
 
 __all__ = ["ACTIVE", "REVOKED", "REVOKING", "PartitionState"]
 
@@ -32,6 +35,7 @@ class PartitionState:
     by completions (``done``, ``running``, ``started``) and the start gate (``started``)."""
 
     __slots__ = (
+        "claim",
         "committable",
         "committed",
         "done",
@@ -67,6 +71,9 @@ class PartitionState:
         self.running = 0  # records of this assignment holding a slot (started or about to)
         self.started = 0  # records whose handler passed the start gate and has not ended
         self.paused = False
+        # With ``offsets=``: this assignment's claim in the store (its epoch, the offsets done
+        # before it began); see ``_offsets.py``. None without a store, or until claimed.
+        self.claim: Claim | None = None
 
     def advance(self) -> None:
         """Move the prefix past the completed head of ``order`` (poll thread, under the lock)."""

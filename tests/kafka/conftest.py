@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from leases.conftest import start_redis  # the lease suite's throwaway redis-server
+from support.servers import start_redis  # a throwaway redis-server
 
 from rxcoord.kafka._broker import BOOTSTRAP_ENV, NoBroker, tansu
 

@@ -1,4 +1,4 @@
-"""examples/kafka_orders.py runs to completion against the suite's broker."""
+"""The Kafka examples run to completion against the suite's broker (and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,19 @@ def test_kafka_orders_example(kafka_bootstrap: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "handled 2000 orders" in proc.stdout
     assert "ordering violations: 0" in proc.stdout
+
+
+TO_POSTGRES = EXAMPLE.with_name("kafka_to_postgres.py")
+
+
+def test_kafka_to_postgres_example(kafka_bootstrap: str, postgres_url: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(TO_POSTGRES), kafka_bootstrap, postgres_url],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "payments applied: 2000 of 2000" in proc.stdout
+    assert "applied twice: 0, missing: 0, customers out of order: 0" in proc.stdout
+    assert "offsets table: 8 partitions, 0 done offsets left unfolded" in proc.stdout

@@ -31,8 +31,9 @@ from .support import (
 def test_exported_names() -> None:
     assert sorted(rxcoord.kafka.__all__) == [
         "BrokerUnavailable", "ConsumerClosed", "ConsumerState", "ConsumerStats",
-        "KafkaConsumerError", "KeyedConsumer", "OnError", "PartitionStats", "Record",
-        "UnknownTopic", "commit_records", "kafka_records",
+        "KafkaConsumerError", "KeyedConsumer", "OffsetStoreError", "OffsetStoreMisconfigured",
+        "OffsetStoreStats", "OffsetStoreUnavailable", "OnError", "PartitionStats",
+        "PostgresOffsets", "Record", "UnknownTopic", "commit_records", "kafka_records",
     ]  # fmt: skip
     for name in rxcoord.kafka.__all__:
         assert getattr(rxcoord.kafka, name) is not None

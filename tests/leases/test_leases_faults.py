@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.servers import ThrowawayPostgres, ThrowawayRedis, start_redis
 
 from rxcoord.leases import (
     DistributedLease,
@@ -37,14 +38,7 @@ from rxcoord.leases import (
     SqliteLeases,
 )
 
-from .conftest import (
-    ThrowawayPostgres,
-    ThrowawayRedis,
-    drop_table,
-    in_thread,
-    start_redis,
-    wait_until,
-)
+from .conftest import drop_table, in_thread, wait_until
 
 
 @dataclass

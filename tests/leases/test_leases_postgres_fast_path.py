@@ -8,12 +8,13 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from support.servers import ThrowawayPostgres
 
 from rxcoord import LeaseStoreMisconfigured
 from rxcoord.leases import PostgresLeases
 from rxcoord.leases._backends._pg_deadline import Prepared
 
-from .conftest import ThrowawayPostgres, drop_table
+from .conftest import drop_table
 
 
 def test_prepared_numbers_the_placeholders_in_order_of_first_use() -> None:

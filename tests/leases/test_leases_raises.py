@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
+from support.servers import ThrowawayRedis, start_redis
 from support.stores import FakeClock
 
 import rxcoord.leases
@@ -35,8 +36,6 @@ from rxcoord.leases import (
     MemoryLeaseStore,
     RedisLeases,
 )
-
-from .conftest import ThrowawayRedis, start_redis
 
 # The lease API whose Raises: sections are checked: (class, method names).
 API: tuple[tuple[type[Any], tuple[str, ...]], ...] = (

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from loguru import logger
+from support.servers import ThrowawayPostgres, ThrowawayRedis, postgres_bindir, start_redis
 
 from rxcoord.leases import (
     LeaseStoreMisconfigured,
@@ -27,7 +28,7 @@ from rxcoord.leases import (
     leases_from_url,
 )
 
-from .conftest import ThrowawayPostgres, ThrowawayRedis, _postgres_bindir, start_redis, wait_until
+from .conftest import wait_until
 
 TIMEOUT = 10.0
 WELL_BEFORE_THE_TIMEOUT = TIMEOUT / 2
@@ -53,7 +54,7 @@ def password_postgres() -> Iterator[ThrowawayPostgres]:
     """A throwaway server that asks TCP clients for a password (postgres / 'right')."""
     import psycopg
 
-    server = ThrowawayPostgres(_postgres_bindir())
+    server = ThrowawayPostgres(postgres_bindir())
     try:
         server.start()
         local = {"host": str(server.dir), "port": server.port, "user": "postgres"}
