@@ -134,7 +134,9 @@ def test_between_attempts_the_thread_and_the_admission_permit_are_free() -> None
         outcome.subscribe_to(retrying.execute(flaky, key="k"))
         assert flaky_started.wait(WAIT)
         # During the backoff: the permit and retrying's only worker are free for others.
-        wait_until(lambda: retrying.stats().retrying == 1, "the job waits for its next attempt")
+        wait_until(
+            lambda: retrying.stats().retrying == 1, what="the job waits for its next attempt"
+        )
         other.execute(other_ran.set).subscribe()
         assert other_ran.wait(0.25), "the other coordinator got no permit during the wait"
         assert retrying.stats().retrying == 1  # (the permit came while it still waited)

@@ -320,7 +320,7 @@ def test_idle_timeout_keeps_a_tenant_until_it_has_been_idle_long_enough() -> Non
         time.sleep(0.07)
         assert s.tenant_count == 1
         assert s.stats("t").completed == 2  # same state, counters kept
-        wait_until(lambda: s.tenant_count == 0, "eviction after idle_timeout")
+        wait_until(lambda: s.tenant_count == 0, what="eviction after idle_timeout")
         zero = s.stats("t")
         assert isinstance(zero, CoordinatorStats)
         assert zero.completed == 0  # no live state any more...

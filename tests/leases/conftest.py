@@ -51,15 +51,6 @@ VARIANTS = {"redis-cluster": "redis"}  # RedisLeases on a real three-master Redi
 BACKEND_IDS = (*(entry.name for entry in backends()), *VARIANTS)
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll a condition (state, not time) until it holds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(0.002)
-
-
 def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
     """Run ``fn`` on a daemon thread; the list receives its result or exception."""
     outcome: list[object] = []

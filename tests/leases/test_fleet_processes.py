@@ -31,10 +31,11 @@ from typing import Any
 
 import pytest
 from support.rates import assert_within_rate
+from support.waiting import wait_until
 
 from rxcoord import Rate
 
-from .conftest import Backend, stop_process, wait_until
+from .conftest import Backend, stop_process
 
 WORKER = Path(__file__).with_name("fleet_worker.py")
 FLEET_BACKENDS = [

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from support.stores import FakeClock
+from support.waiting import wait_until
 
 from rxcoord.leases import (
     DistributedLease,
@@ -26,7 +27,7 @@ from rxcoord.leases import (
 )
 from rxcoord.leases._notify import Listener
 
-from .conftest import drop_table, in_thread, pg_row_waited, wait_until
+from .conftest import drop_table, in_thread, pg_row_waited
 
 # -- round trips ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from loguru import logger
 from reactivex import abc
+from support.waiting import wait_until
 
 from rxcoord import TenantTaskCoordinator
 from rxcoord.leases import (
@@ -29,7 +30,7 @@ from rxcoord.leases import (
     LockTimeout,
 )
 
-from .conftest import Backend, wait_until
+from .conftest import Backend
 
 # Margin added to an expiry before relying on it: covers the store round trip and scheduling.
 MARGIN = 0.15

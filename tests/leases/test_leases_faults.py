@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from support.servers import ThrowawayPostgres, ThrowawayRedis, start_redis
+from support.waiting import wait_until
 
 from rxcoord.leases import (
     DistributedLease,
@@ -38,7 +39,7 @@ from rxcoord.leases import (
     SqliteLeases,
 )
 
-from .conftest import drop_table, in_thread, wait_until
+from .conftest import drop_table, in_thread
 
 
 @dataclass

@@ -16,13 +16,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support.waiting import wait_until
 
 from rxcoord._cli.inspect import MEMORY_NOTE
 from rxcoord._cli.main import main
 from rxcoord.leases import LeaseProvider, LockTimeout, PostgresLeases
 from rxcoord.leases._listing import TenantEntry
 
-from .conftest import Backend, drop_table, pg_row_waited, wait_until
+from .conftest import Backend, drop_table, pg_row_waited
 
 
 def cli_args(backend: Backend) -> list[str]:

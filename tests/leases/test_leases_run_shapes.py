@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import reactivex
 from reactivex.subject import Subject
-from support.waiting import until
+from support.waiting import until, wait_until
 
 from rxcoord.leases import DistributedLease, LeaseLost, LeaseProvider, MemoryLeases
 
-from .conftest import Backend, wait_until
+from .conftest import Backend
 
 
 def collect(source: reactivex.Observable[Any]) -> tuple[list[Any], BaseException | None]:

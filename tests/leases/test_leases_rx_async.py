@@ -11,7 +11,7 @@ import reactivex
 from reactivex import operators as ops
 from reactivex.internal.exceptions import SequenceContainsNoElementsError
 from reactivex.scheduler import ImmediateScheduler
-from support.waiting import until
+from support.waiting import until, wait_until
 
 from rxcoord.leases import (
     DistributedLease,
@@ -21,7 +21,7 @@ from rxcoord.leases import (
     MemoryLeases,
 )
 
-from .conftest import Backend, wait_until
+from .conftest import Backend
 
 
 def collect(source: reactivex.Observable[object]) -> tuple[list[object], BaseException | None]:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 from loguru import logger
 from support.servers import ThrowawayPostgres, ThrowawayRedis, postgres_bindir, start_redis
+from support.waiting import wait_until
 
 from rxcoord.leases import (
     LeaseStoreMisconfigured,
@@ -27,8 +28,6 @@ from rxcoord.leases import (
     RedisLeases,
     leases_from_url,
 )
-
-from .conftest import wait_until
 
 TIMEOUT = 10.0
 WELL_BEFORE_THE_TIMEOUT = TIMEOUT / 2

@@ -12,10 +12,11 @@ import threading
 
 import pytest
 from support.otel import Telemetry
+from support.waiting import wait_until
 
 from rxcoord.leases import LeaseLost, LockTimeout
 
-from .conftest import Backend, wait_until
+from .conftest import Backend
 
 WAIT = "rxcoord.lease.wait"
 

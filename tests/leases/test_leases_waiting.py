@@ -21,7 +21,7 @@ import pytest
 from reactivex import abc
 from reactivex import operators as ops
 from support.execution import ManualScheduler
-from support.waiting import until
+from support.waiting import until, wait_until
 
 import rxcoord.leases._base as base_module
 from rxcoord._core.waiter import Waiter
@@ -35,7 +35,7 @@ from rxcoord.leases import (
 )
 from rxcoord.leases._notify import Listener, WaitHub, Watch
 
-from .conftest import Backend, in_thread, wait_until
+from .conftest import Backend, in_thread
 
 WAITERS = 300
 # Threads a provider may add for any number of waiters: its round-trip workers, the listener

@@ -16,11 +16,12 @@ import time
 import uuid
 
 import pytest
+from support.waiting import wait_until
 
 from rxcoord.leases import LeaseProvider
 from rxcoord.leases._permits import PermitReply, RateArgs, hub_name
 
-from .conftest import Backend, wait_until
+from .conftest import Backend
 
 LONG = 60.0  # seconds: a permit or demand that must not expire during a test
 

@@ -18,13 +18,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 
 from rxcoord import LeaseStoreUnavailable
 from rxcoord.leases import PostgresLeases
 from rxcoord.leases._backends._postgres import _derived_identifier
 from rxcoord.leases._permits import PermitGroup, PermitReply, hub_name
 
-from .conftest import PG_PERMIT_TABLES, drop_table, wait_until
+from .conftest import PG_PERMIT_TABLES, drop_table
 
 psycopg = pytest.importorskip("psycopg")
 

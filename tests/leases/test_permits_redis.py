@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 from support.stores import redis_client
+from support.waiting import wait_until
 
 from rxcoord.leases import RedisLeases
 from rxcoord.leases._permits import PermitGroup, PermitReply, hub_name
 
-from .conftest import STORES, Backend, wait_until
+from .conftest import STORES, Backend
 
 LONG = 1e6  # seconds: nothing expires during a test (the reference's clock stands still)
 

@@ -20,7 +20,7 @@ WAIT = 10.0
 _SPINS = 100  # polls that only yield to the loop before ``until`` starts to pause
 
 
-def wait_until(predicate: Callable[[], bool], what: str = "", timeout: float = WAIT) -> None:
+def wait_until(predicate: Callable[[], bool], timeout: float = WAIT, what: str = "") -> None:
     """Return as soon as ``predicate()`` holds; fail (naming ``what``) after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     pause = 0.0005
