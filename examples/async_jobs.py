@@ -37,7 +37,7 @@ async def main() -> None:
         pages = await asyncio.gather(*(c.execute(functools.partial(fetch, i)) for i in range(6)))
         print("fetched:", pages)
 
-        task = asyncio.ensure_future(c.execute(lambda: slow("download")))
+        task = asyncio.create_task(c.execute(lambda: slow("download")))
         await asyncio.sleep(0.05)
         task.cancel()  # the caller gives up: the running job is cancelled
         with contextlib.suppress(asyncio.CancelledError):
@@ -48,8 +48,8 @@ async def main() -> None:
         except TimeoutError as error:
             print("timed out:", error)
 
-        blocker = asyncio.ensure_future(c.execute(lambda: fetch(99)))
-        blocker2 = asyncio.ensure_future(c.execute(lambda: fetch(98)))
+        blocker = asyncio.create_task(c.execute(lambda: fetch(99)))
+        blocker2 = asyncio.create_task(c.execute(lambda: fetch(98)))
         await asyncio.sleep(0)
         queued = c.execute(lambda: slow("never")).subscribe()  # both slots busy: it queues
         queued.dispose()  # cancelled while queued: it never starts

@@ -37,6 +37,10 @@ async def test_the_job_shapes_keep_their_result_types() -> None:
         # A lambda with a default argument (the loop-variable idiom) is no false alarm.
         assert await c.execute(lambda n=n: handle(n)) == "3"
         assert await c.execute(lambda n=n: n * 2, overflow="wait") == 6
+        # An execution is a coroutine: a task of it has the job's result type.
+        task = asyncio.create_task(c.execute(handle, n))
+        assert_type(task, asyncio.Task[str])
+        assert await task == "3"
 
 
 async def test_a_tenant_scheduler_types_its_jobs_alike() -> None:

@@ -94,7 +94,7 @@ async def await_job(
             task.future = future = loop.create_future()
             try:
                 await future
-            except asyncio.CancelledError:
+            except BaseException:  # cancelled, or closed (GeneratorExit): it leaves
                 task.future = None
                 leave(c, task)
                 raise
@@ -128,7 +128,7 @@ async def next_turn(c: TenantTaskCoordinator, task: Task, loop: asyncio.Abstract
         task.future = future = loop.create_future()
         try:
             await future
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled, or closed (GeneratorExit): it leaves
             task.future = None
             leave(c, task)
             raise
@@ -142,7 +142,7 @@ async def next_turn(c: TenantTaskCoordinator, task: Task, loop: asyncio.Abstract
 
 
 def leave(c: TenantTaskCoordinator, task: Task) -> None:
-    """The awaiting task was cancelled while it waited (on its loop thread).
+    """The awaiting task was cancelled (or its coroutine closed) while it waited.
 
     The outcome is decided as cancelled; what the task holds goes back: a queued task is
     withdrawn, a permit request too, a turn handed to it (or on its way) is given back.

@@ -3,7 +3,8 @@
 ``execute(fn, *args, key=..., timeout=..., overflow=...)`` checks its arguments at the call and
 returns an :class:`Execution`: a cold Observable (each subscription is one submission) that is
 also awaitable (``await`` is one submission done by the awaiting task itself, the coordinator's
-awaited path). The coordinator and each tenant of a ``TenantScheduler`` are its owners.
+awaited path) and a coroutine, so ``asyncio.create_task`` and ``gather`` take it as it is.
+The coordinator and each tenant of a ``TenantScheduler`` are its owners.
 
 Where a job runs is decided here, once per call, from what ``fn`` is:
 
@@ -73,7 +74,7 @@ class Owner(Protocol):
     def _await(self, execution: Execution[Any]) -> Coroutine[Any, Any, Any]: ...
 
 
-class Execution(Observable[_T]):
+class Execution(Observable[_T], Coroutine[Any, Any, _T]):
     """The cold Observable ``execute`` returns: each subscription (or ``await``) submits once.
 
     Attributes (read by the owner): ``job`` and ``args`` (called as ``job(*args)``), ``key``,
@@ -82,7 +83,17 @@ class Execution(Observable[_T]):
     and ``is_async`` (where the job runs, see the module docstring).
     """
 
-    __slots__ = ("_owner", "args", "deadline", "is_async", "job", "key", "retry_policy", "wait")
+    __slots__ = (
+        "_coroutine",
+        "_owner",
+        "args",
+        "deadline",
+        "is_async",
+        "job",
+        "key",
+        "retry_policy",
+        "wait",
+    )
 
     def __init__(
         self,
@@ -99,6 +110,7 @@ class Execution(Observable[_T]):
         # never does, and a lock per execute() call is measurable (bench_asyncio's rows).
         self._subscribe = None
         self._owner = owner
+        self._coroutine: Coroutine[Any, Any, _T] | None = None
         self.job = job
         self.args = args
         self.key = key
@@ -142,6 +154,29 @@ class Execution(Observable[_T]):
         awaiting task cancels the job (or withdraws it, if it has not started).
         """
         return self._owner._await(self).__await__()
+
+    # The coroutine protocol: ``gather``, ``create_task`` and ``asyncio.run`` take a coroutine
+    # as it is, and wrap any other awaitable in a coroutine of their own first, one more frame
+    # per job (bench_asyncio's keyed and unkeyed rows: ``gather(*(c.execute(...) ...))``). As a
+    # coroutine, an execution is its one awaited submission, started by the first ``send``.
+    def send(self, value: Any) -> Any:
+        """Advance the awaited submission (the coroutine protocol; ``await`` does it for you)."""
+        coroutine = self._coroutine
+        if coroutine is None:
+            coroutine = self._coroutine = self._owner._await(self)
+        return coroutine.send(value)
+
+    def throw(self, *error: Any) -> Any:
+        """Raise ``error`` inside the awaited submission (the coroutine protocol)."""
+        coroutine = self._coroutine
+        if coroutine is None:
+            coroutine = self._coroutine = self._owner._await(self)
+        return coroutine.throw(*error)
+
+    def close(self) -> None:
+        """Close the awaited submission (a coroutine's close): a job waiting its turn leaves."""
+        if self._coroutine is not None:
+            self._coroutine.close()
 
 
 class _Callbacks(abc.ObserverBase[Any]):

@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
-from reactivex import Observable, abc
+from reactivex import abc
 
 from rxcoord import (
     CoordinatorState,
     CoordinatorStats,
+    Execution,
     SchedulerStats,
     TenantScheduler,
     TenantTaskCoordinator,
@@ -46,7 +47,7 @@ class Executor:
         *,
         key: Hashable | None = None,
         timeout: float | None = None,
-    ) -> Observable[Any]:
+    ) -> Execution[Any]:
         if isinstance(self.target, TenantScheduler):
             return self.target.execute(self.name, job, key=key, timeout=timeout)
         if self.kind == "coordinator-lambda" and callable(job):

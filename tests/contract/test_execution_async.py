@@ -8,6 +8,7 @@ the test advances from the loop (the timeout is then delivered on it at once).
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Awaitable, Callable
 
@@ -151,6 +152,66 @@ async def test_cancelling_the_awaiting_task_cancels_the_job(executor: Executor) 
     with pytest.raises(asyncio.CancelledError):
         await waiter
     await asyncio.wait_for(cancelled.wait(), 5)
+
+
+async def test_an_execution_is_a_coroutine_for_create_task_and_gather(executor: Executor) -> None:
+    ran: list[int] = []
+
+    async def job(i: int) -> int:
+        ran.append(i)
+        await asyncio.sleep(0)
+        return i
+
+    execution = executor.execute(functools.partial(job, 1))
+    assert asyncio.iscoroutine(execution)
+    assert await asyncio.create_task(execution) == 1  # create_task wants a coroutine
+    both = executor.execute(functools.partial(job, 2)), executor.execute(functools.partial(job, 3))
+    assert list(await asyncio.gather(*both)) == [2, 3]
+    assert ran == [1, 2, 3]  # each submitted once
+
+
+async def test_closing_an_execution_before_its_first_step_submits_nothing(
+    make_executor: MakeExecutor,
+) -> None:
+    ran: list[str] = []
+
+    async def job() -> None:
+        ran.append("job")
+
+    with make_executor(max_concurrency=1, max_queue_size=5) as executor:
+        execution = executor.execute(job)
+        execution.close()
+        assert executor.running == 0
+        assert executor.queued == 0
+        await asyncio.sleep(0)
+    assert ran == []
+
+
+async def test_closing_an_execution_waiting_for_its_turn_withdraws_it(
+    make_executor: MakeExecutor,
+) -> None:
+    release = asyncio.Event()
+    started = asyncio.Event()
+    ran: list[str] = []
+
+    async def blocker() -> None:
+        started.set()
+        await release.wait()
+
+    async def victim() -> None:
+        ran.append("victim")
+
+    with make_executor(max_concurrency=1, max_queue_size=5) as executor:
+        first = asyncio.ensure_future(executor.execute(blocker))
+        await asyncio.wait_for(started.wait(), 5)
+        execution = executor.execute(victim)
+        assert execution.send(None) is not None  # its first step: it queues behind the blocker
+        assert executor.queued == 1
+        execution.close()
+        assert executor.queued == 0
+        release.set()
+        await first
+    assert ran == []
 
 
 async def test_timeout_of_an_async_job_cancels_it(make_executor: MakeExecutor) -> None:
