@@ -238,6 +238,22 @@ class Waiter(Generic[_T]):
         self.bind(_AsyncWake(self, loop, future))
         return future
 
+    @classmethod
+    def on_loop(
+        cls, release: Callable[[_T], object], loop: asyncio.AbstractEventLoop
+    ) -> tuple[Waiter[_T], asyncio.Future[None]]:
+        """A new waiter already armed as by :meth:`arm_async`, and its future.
+
+        For an owner that creates the waiter under its own lock, before any granter can see
+        it: the wake-up is set at birth, so arming takes no lock (``bind`` would). Await the
+        future, then :meth:`take`, as after :meth:`arm_async`. Call it on ``loop``'s thread.
+        """
+        # The contended hold_async path (bench_asyncio's "hold_async contended" row).
+        waiter = cls(release)
+        future: asyncio.Future[None] = loop.create_future()
+        waiter._wake = _AsyncWake(waiter, loop, future)
+        return waiter, future
+
     async def wait_async(
         self,
         # A parameter, not the caller's asyncio.timeout(): at the deadline the wait may have to
