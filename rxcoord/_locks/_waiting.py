@@ -262,7 +262,7 @@ class AsyncHold:
         lease._timeout = None
         lease._entered = False
         self._lease = lease
-        lease._key = keys[0] if len(keys) == 1 else MANY
+        key = lease._key = keys[0] if len(keys) == 1 else MANY
         timeout = self._timeout
         # One pass under the mutex (bench_asyncio's hold_async rows): the uncontended grant,
         # inlined as in Lease.__enter__ (a free key and no global request is one dict insert -
@@ -272,7 +272,6 @@ class AsyncHold:
         mutex = locks._mutex
         mutex.acquire()
         try:
-            key = lease._key
             seg = locks._tail
             if key is not MANY and seg is locks._first and key not in locks._queues:
                 locks._queues[key] = lease
