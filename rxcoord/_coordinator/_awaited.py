@@ -16,9 +16,9 @@ import asyncio
 import contextvars
 from typing import TYPE_CHECKING, Any
 
+from .._core.futures import running_loop
 from ._execution import Execution, remembered
 from ._run import NO_TOKEN
-from ._runners import running_loop
 from ._table import CANCELLED, DONE, GATED, RUNNING
 from ._task import Task
 

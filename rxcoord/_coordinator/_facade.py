@@ -65,6 +65,7 @@ from .._admission import Admission, RateAdmission
 from .._core import telemetry
 from .._core.checks import check_count, check_deadline, check_length, check_name, check_overflow
 from .._core.clock import clock_for
+from .._core.futures import running_loop
 from .._core.lifecycle import Closeable, CoordinatorState
 from .._core.retry import Retry, gave_up
 from .._core.workers import WorkerPool
@@ -75,7 +76,7 @@ from .._rate import Rate, RateStats, check_rate
 from . import _admit, _attempts, _awaited, _run
 from ._execution import Execution, execution
 from ._run import NO_LOOP
-from ._runners import LoopRunner, Runner, SchedulerRunner, WorkerRunner, running_loop
+from ._runners import LoopRunner, Runner, SchedulerRunner, WorkerRunner
 from ._table import (
     CANCELLED,
     CLOSED,

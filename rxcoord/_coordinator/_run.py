@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 from reactivex import abc
 
+from .._core.futures import running_loop
 from .._core.workers import hand_off
 from ._execution import forget, remember, remembered
-from ._runners import running_loop, spawn
+from ._runners import spawn
 from ._task import Task, Work
 
 if TYPE_CHECKING:

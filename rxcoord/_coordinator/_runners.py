@@ -23,17 +23,14 @@ import contextvars
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 from reactivex import abc
 
+from .._core.futures import running_loop
 from .._core.workers import WorkerPool
 
-__all__ = ["LoopRunner", "Runner", "SchedulerRunner", "WorkerRunner", "running_loop", "spawn"]
-
-# asyncio's low-level form of get_running_loop: None, not an exception, where no loop runs (a
-# subscriber on a plain thread). Every job asks, several times (bench_asyncio's rows).
-running_loop: Final = asyncio._get_running_loop
+__all__ = ["LoopRunner", "Runner", "SchedulerRunner", "WorkerRunner", "spawn"]
 
 
 class Runner(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Generator
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from loguru import logger
 from reactivex import Observable, abc
@@ -16,10 +16,17 @@ __all__ = [
     "FutureObserver",
     "LoopObserver",
     "last_value",
+    "running_loop",
     "set_exception",
 ]
 
 _T = TypeVar("_T")
+
+# The loop running on this thread, or None: asyncio's own low-level form of get_running_loop
+# (in ``asyncio.__all__``), which answers None where no loop runs (a subscriber on a plain
+# thread, a worker) instead of raising. "Am I on that loop's thread?" is asked several times
+# per job, grant and delivery (bench_asyncio's rows), and a raise-and-catch costs far more.
+running_loop: Final = asyncio._get_running_loop
 
 
 def set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
@@ -97,7 +104,7 @@ class LoopObserver(abc.ObserverBase[Any]):
 
     def _forward(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
-        on_loop = asyncio._get_running_loop() is loop
+        on_loop = running_loop() is loop
         with self._lock:
             direct = on_loop and not self._queued
             if not direct:

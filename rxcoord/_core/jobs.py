@@ -34,6 +34,8 @@ from reactivex import Observable, abc
 from reactivex.disposable import Disposable, SingleAssignmentDisposable
 from reactivex.scheduler.eventloop import AsyncIOScheduler
 
+from .futures import running_loop
+
 __all__ = ["JobRun", "Work", "job_takes_lease", "subscriber_loop"]
 
 _R = TypeVar("_R")
@@ -182,7 +184,7 @@ class JobRun:
         if self.done:  # disposed while fn ran: never start it
             coroutine.close()
             return False
-        if asyncio._get_running_loop() is loop:
+        if running_loop() is loop:
             self._spawn(loop, coroutine)
             return True
         try:
@@ -210,7 +212,7 @@ class JobRun:
     def _watch(self, future: asyncio.Future[Any]) -> bool:
         """Release and forward when an asyncio future is done (on its loop's thread)."""
         loop = future.get_loop()
-        if asyncio._get_running_loop() is loop:
+        if running_loop() is loop:
             future.add_done_callback(self._future_done)
         else:
             try:
@@ -228,7 +230,7 @@ class JobRun:
     def _cancel(self, future: asyncio.Future[Any]) -> None:
         """Ask an asyncio future to stop; the done-callback releases the lease when it has."""
         loop = future.get_loop()
-        if asyncio._get_running_loop() is loop:
+        if running_loop() is loop:
             future.cancel()
             return
         try:
@@ -257,7 +259,7 @@ def subscriber_loop(scheduler: abc.SchedulerBase | None) -> asyncio.AbstractEven
     """
     if isinstance(scheduler, AsyncIOScheduler):
         return scheduler._loop
-    return asyncio._get_running_loop()
+    return running_loop()
 
 
 # Exact types that are never work to run (a subclass could be an awaitable: not listed).

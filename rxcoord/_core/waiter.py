@@ -48,6 +48,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final, Generic, TypeVar
 
+from .futures import running_loop
+
 __all__ = ["CANCELLED", "GRANTED", "PENDING", "TAKEN", "Waiter"]
 
 _T = TypeVar("_T")
@@ -319,7 +321,7 @@ class _AsyncWake:
     def __call__(self) -> None:
         future = self.future
         try:
-            if asyncio._get_running_loop() is self.loop:
+            if running_loop() is self.loop:
                 # Granted by a task of the same loop (the common asyncio case): resolve the
                 # future right here. Its callbacks (the task's wake-up) are scheduled by the
                 # future itself, so this is one loop hop, not two, and no self-pipe write.

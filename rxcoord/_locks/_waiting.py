@@ -54,6 +54,7 @@ from reactivex.disposable import Disposable
 from reactivex.observer.autodetachobserver import AutoDetachObserver
 
 from .._core import waiter as w
+from .._core.futures import running_loop
 from .._core.timer import TimerHandle, call_later
 from .._core.waiter import Waiter
 from .._core.workers import WorkerPool, hand_off
@@ -484,7 +485,7 @@ class Acquisition:
         """The waiter was granted its lease: deliver it, or schedule that."""
         scheduler = self.scheduler
         loop = self.loop
-        if scheduler is None and (loop is None or asyncio._get_running_loop() is loop):
+        if scheduler is None and (loop is None or running_loop() is loop):
             self._deliver_trampolined(reraise)
             return
         try:
@@ -594,7 +595,7 @@ class Acquisition:
             if scheduler is not None:
                 scheduler.schedule(lambda _s, _st: self.target.on_error(error))
                 return
-            if loop is not None and asyncio._get_running_loop() is not loop:
+            if loop is not None and running_loop() is not loop:
                 loop.call_soon_threadsafe(self.target.on_error, error)
                 return
         except Exception:  # a disposed scheduler, a closed loop: tell the subscriber here

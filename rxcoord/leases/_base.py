@@ -59,6 +59,7 @@ from .._core.checks import (
     check_lease_name,
     check_wait,
 )
+from .._core.futures import running_loop
 from ._background import Background
 from ._lease import DistributedLease, LeaseHolder
 from ._listing import StoreListing
@@ -1166,7 +1167,7 @@ class _LeaseRun(JobRun):
 
     def _off_loop(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (a release, then maybe the subscriber's code) here, unless on a loop."""
-        if asyncio._get_running_loop() is None:
+        if running_loop() is None:
             fn()
             return
         try:
