@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from reactivex import abc
 from reactivex import operators as ops
 from reactivex.testing import TestScheduler
+from support.execution import Outcome
 
 from rxcoord import ReactorCoordinator, TenantTaskCoordinator
 
@@ -46,20 +47,6 @@ wait = st.tuples(st.just("wait"), st.integers(1, 3))  # let time pass (steps bet
 steps = st.lists(
     st.one_of(submit, submit, submit, cancel, wait, wait, close), min_size=1, max_size=30
 )
-
-
-class Outcome(abc.ObserverBase[Any]):
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    def on_next(self, value: Any) -> None:
-        self.events.append(("value", value))
-
-    def on_error(self, error: Exception) -> None:
-        self.events.append(("error", type(error).__name__))
-
-    def on_completed(self) -> None:
-        self.events.append("completed")
 
 
 def play(kind: str, plan: list[tuple[Any, ...]]) -> dict[str, Any]:

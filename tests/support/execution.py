@@ -26,23 +26,31 @@ _TState = TypeVar("_TState")
 
 
 class Outcome(abc.ObserverBase[Any]):
-    """Collects what one subscription received."""
+    """Collects what one subscription received.
+
+    ``events`` keeps the notifications in order, comparable across runs: ``("value", v)``,
+    ``("error", "TypeName")``, ``"completed"``.
+    """
 
     def __init__(self) -> None:
         self.values: list[Any] = []
         self.error: Exception | None = None
         self.completed = False
+        self.events: list[Any] = []
         self.done = threading.Event()
 
     def on_next(self, value: Any) -> None:
         self.values.append(value)
+        self.events.append(("value", value))
 
     def on_error(self, error: Exception) -> None:
         self.error = error
+        self.events.append(("error", type(error).__name__))
         self.done.set()
 
     def on_completed(self) -> None:
         self.completed = True
+        self.events.append("completed")
         self.done.set()
 
     def subscribe_to(self, observable: reactivex.Observable[Any]) -> abc.DisposableBase:
