@@ -370,3 +370,21 @@ def test_kafka_records_and_commit_waits(otel: Telemetry) -> None:
     assert metrics.value("rxcoord.kafka.records", {**name, "rxcoord.outcome": "completed"}) == 2
     assert metrics.value("rxcoord.kafka.records", {**name, "rxcoord.outcome": "rejected"}) == 1
     assert metrics.max("rxcoord.kafka.commit.wait", name) == pytest.approx(0.25)
+
+
+def test_kafka_gauges_leave_out_an_unknown_lag_and_stop_on_forget(otel: Telemetry) -> None:
+    consumer = telemetry.kafka("forgotten", "g")
+    owner = Owner((0, 0, 0))
+    consumer.observe(owner, lambda o: [("t", 0, None, 3, False), ("t", 1, 7, 1, True)])
+    name = {"rxcoord.name": "forgotten"}
+    metrics = otel.collect()
+    assert metrics.attribute_sets("rxcoord.kafka.lag") == [
+        {**name, "messaging.consumer.group.name": "g", "messaging.destination.name": "t",
+         "messaging.destination.partition.id": "1"},
+    ]  # fmt: skip
+    assert metrics.value("rxcoord.kafka.in_flight", name) == 4
+    assert metrics.value("rxcoord.kafka.paused", name) == 1
+    consumer.forget(owner)  # the owner closed; it is still alive
+    metrics = otel.collect()
+    for instrument in ("rxcoord.kafka.lag", "rxcoord.kafka.in_flight", "rxcoord.kafka.paused"):
+        assert metrics.select(instrument, name) == [], instrument

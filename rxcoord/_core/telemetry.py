@@ -766,21 +766,25 @@ class KafkaTelemetry:
     def observe(
         self,
         owner: object,
-        partitions: Callable[[Any], Iterable[tuple[str, int, int, int, bool]]],
+        partitions: Callable[[Any], Iterable[tuple[str, int, int | None, int, bool]]],
     ) -> None:
         """Report lag, in-flight and paused from ``partitions(owner)`` at collection.
 
         ``partitions`` yields ``(topic, partition, lag, in_flight, paused)`` for each assigned
-        partition; ``owner`` is held weakly.
+        partition (a lag of None, not known yet, is left out); ``owner`` is held weakly (no
+        reference to it may hide in ``partitions``) until :meth:`forget`.
         """
         base = {_NAME: self.name, _GROUP: self.group}
 
         def per_partition(index: int) -> _Reader:
             def read(owner: Any) -> Iterable[tuple[float, Mapping[str, Any]]]:
-                return [
-                    (float(row[index]), {**base, _TOPIC: row[0], _PARTITION: str(row[1])})
-                    for row in partitions(owner)
-                ]
+                values = []
+                for row in partitions(owner):
+                    value = row[index]
+                    if value is not None:
+                        attributes = {**base, _TOPIC: row[0], _PARTITION: str(row[1])}
+                        values.append((float(value), attributes))
+                return values
 
             return read
 
@@ -790,6 +794,12 @@ class KafkaTelemetry:
         _OBSERVED["rxcoord.kafka.lag"].add(owner, per_partition(2))
         _OBSERVED["rxcoord.kafka.in_flight"].add(owner, per_partition(3))
         _OBSERVED["rxcoord.kafka.paused"].add(owner, paused)
+
+    @staticmethod
+    def forget(owner: object) -> None:
+        """Stop reporting ``owner``'s partitions (it closed): its gauges drop out."""
+        for name in ("rxcoord.kafka.lag", "rxcoord.kafka.in_flight", "rxcoord.kafka.paused"):
+            _OBSERVED[name].discard(owner)
 
     def record_span(
         self,

@@ -85,6 +85,7 @@ from ._offsets import Dropped, PostgresOffsets, Stopped
 from ._partitions import ACTIVE, REVOKED, PartitionState
 from ._record import Record
 from ._stats import ConsumerState, ConsumerStats, PartitionStats
+from ._telemetry import ConsumerTelemetry
 
 __all__ = ["KeyedConsumer", "OnError"]
 
@@ -145,6 +146,12 @@ class KeyedConsumer:
     handler takes ``(record, tx)`` and its effects commit in one transaction with the record's
     position, fenced per assignment (see :class:`PostgresOffsets`).
 
+    Handlers run in the context of the call to :meth:`run` (or of the task awaiting
+    :meth:`run_async`): its ``contextvars`` and ``logger.contextualize`` values, and with an
+    OpenTelemetry SDK configured the record's ``<topic> process`` span (parent: the
+    ``traceparent`` in the record's headers), on every thread a handler runs on. Metrics:
+    ``rxcoord.kafka.*`` (see the observability guide).
+
     Args:
         config: confluent-kafka configuration, passed through; ``bootstrap.servers`` and
             ``group.id`` are required, ``enable.auto.commit`` must not be true (the consumer
@@ -187,6 +194,8 @@ class KeyedConsumer:
             a database transaction always costs more than a thread hand-off.
         offsets: A :class:`PostgresOffsets`: exactly once into PostgreSQL (see above); the
             store serves this consumer only.
+        trace_record_keys: Put each record's key on its span (``messaging.kafka.message.key``,
+            decoded as UTF-8). Off by default: keys may be personal data.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -214,6 +223,7 @@ class KeyedConsumer:
         batch_size: int = 500,
         inline: bool | None = None,
         offsets: PostgresOffsets | None = None,
+        trace_record_keys: bool = False,
     ) -> None:
         config = _check_config(config)
         topics = _check_topics(topics)
@@ -297,6 +307,8 @@ class KeyedConsumer:
                 self._engine.consumer.close()
                 raise
         self._engine.processor = self
+        # telemetry hook: the records' context, spans and counts (see _telemetry.py)
+        self._telemetry = ConsumerTelemetry(self._engine.telemetry, record_keys=trace_record_keys)
         self._lock = self._engine.lock
         self._log = self._engine.log
         self._state = ConsumerState.NEW
@@ -496,6 +508,7 @@ class KeyedConsumer:
                     "create a new one"
                 )
             self._state = ConsumerState.RUNNING
+        self._telemetry.begin()  # telemetry hook: the caller's context is the handlers'
 
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
         # First signal: drain; a second one while draining: stop without waiting for records.
@@ -523,7 +536,7 @@ class KeyedConsumer:
                     threading.Thread(
                         target=self._watch, name="rxcoord-kafka-watch", daemon=True
                     ).start()
-                self._poll(None)
+                self._telemetry.thread_context().run(self._poll, None)  # telemetry hook
                 # After a hand-over another thread polls and ends the run: wait for it.
                 self._done.wait()
         finally:
@@ -649,7 +662,9 @@ class KeyedConsumer:
         auto = self._inline_mode is None
         if inline and auto and self._ewma > _INLINE_BELOW:
             inline = False  # measured slow: workers (their measurements may bring it back)
-        handle = self._handle
+        telemetry = self._telemetry  # telemetry hook: two flags per batch, a branch per record
+        handle = telemetry.inline(self._handle)
+        watched = telemetry.on()
         cap = self._max_concurrency
         perf = time.perf_counter
         put = self._slot.append
@@ -739,6 +754,8 @@ class KeyedConsumer:
                     else:
                         st.committable = offset + 1  # nothing earlier outstanding: the prefix
                     done_inline += 1
+                    if watched:
+                        telemetry.completed(record)  # telemetry hook
                 else:
                     self._adopt(record, k)
                     self._attach(record, result)
@@ -868,7 +885,10 @@ class KeyedConsumer:
             _STALL * 1000,
         )
         threading.Thread(
-            target=self._poll, args=((batch, index + 1),), name="rxcoord-kafka-poll", daemon=True
+            target=self._telemetry.thread_context().run,  # telemetry hook: the consumer's context
+            args=(self._poll, (batch, index + 1)),
+            name="rxcoord-kafka-poll",
+            daemon=True,
         ).start()
 
     # -- running records -------------------------------------------------------------------
@@ -896,12 +916,15 @@ class KeyedConsumer:
 
     def _start(self, record: Record) -> None:
         """Run a record that holds a slot (counted in ``_running``), outside the lock."""
+        # telemetry hook: scheduled jobs and tasks start in the record's context (they copy it)
         if self._scheduler is not None:
-            self._start_scheduled(record)
+            self._telemetry.run(record, self._start_scheduled, record)
         elif self._is_async:
             try:
                 loop = self._ensure_loop()
-                future = asyncio.run_coroutine_threadsafe(self._run_async(record), loop)
+                future = self._telemetry.run(
+                    record, asyncio.run_coroutine_threadsafe, self._run_async(record), loop
+                )
             except RuntimeError as exc:  # the loop was closed under us
                 self._after(self._ended(record, exc, started=False))
                 return
@@ -932,7 +955,7 @@ class KeyedConsumer:
     def _work(self, record: Record | None) -> None:
         """A worker thread: run the record, then the next of its key while it may keep the slot."""
         _inside.consumer = self
-        handle = self._handle
+        handle = self._telemetry.wrap(self._handle)  # telemetry hook: each record's context
         perf = time.perf_counter
         while record is not None:
             if not self._admit(record):
@@ -1015,6 +1038,7 @@ class KeyedConsumer:
 
         Returns the records that take slots now (to be started by the caller, outside the lock).
         """
+        self._telemetry.ended(record, error, dropped)  # telemetry hook: outcome, span end
         if error is not None and not dropped:
             # The hook where a record ends, for offsets= (see _offsets.py): a fenced record's
             # transaction rolled back, so its result is dropped like a revoked partition's; a

@@ -38,11 +38,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from loguru import logger
+
+from rxcoord._core import telemetry
 
 from . import _logs
 from ._errors import BrokerUnavailable, OffsetStoreError, OffsetStoreUnavailable, UnknownTopic
@@ -146,7 +149,12 @@ class Engine:
             str(config.get("group.protocol", "classic")).lower() == "consumer"
         )
         self.log = logger.bind(consumer=name)
-        self.consumer = make_consumer(config, self._on_commit)
+        # rxcoord.name and the group are both the group id: a consumer has no other name.
+        self.telemetry = telemetry.kafka(name, name)
+        # When each asynchronous commit still unanswered was sent (rxcoord.kafka.commit.wait):
+        # librdkafka answers a consumer's commits in the order they were sent.
+        self._commits_sent: deque[float] = deque()
+        self.consumer = make_consumer(config, self._commit_answered)
         self.states: dict[tuple[str, int], PartitionState] = {}
         self.processor: Processor | None = None
         self.failure: BaseException | None = None  # a fatal Kafka error ends the loop with it
@@ -193,6 +201,8 @@ class Engine:
         self.consumer.subscribe(
             self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
+        # Lag, in-flight and paused gauges while the run lasts (close() withdraws them).
+        self.telemetry.observe(self, _partition_rows)
         self._next_commit = time.monotonic() + self.commit_interval
 
     def poll_once(self, accept: bool) -> None:
@@ -247,11 +257,15 @@ class Engine:
             if s.committable > s.requested:
                 s.requested = s.committable
         self.commits += 1
+        sent = time.perf_counter()
         try:
             if asynchronous:
                 self.consumer.commit(offsets=offsets, asynchronous=True)
+                self._commits_sent.append(sent)
             else:
-                self._on_commit(None, self.consumer.commit(offsets=offsets, asynchronous=False))
+                answer = self.consumer.commit(offsets=offsets, asynchronous=False)
+                self.telemetry.commit_waited(time.perf_counter() - sent)
+                self._on_commit(None, answer)
         except KafkaException as exc:
             # A commit refused during a rebalance (the generation moved on) is not fatal: the
             # new owner starts from the last commit that did succeed, so records repeat, none
@@ -260,6 +274,16 @@ class Engine:
             for s in states:
                 s.requested = s.committed
             return
+
+    def _commit_answered(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        """librdkafka's answer to an asynchronous commit (synchronous ones return theirs)."""
+        try:
+            sent = self._commits_sent.popleft()
+        except IndexError:  # not one of ours: nothing to time
+            pass
+        else:
+            self.telemetry.commit_waited(time.perf_counter() - sent)
+        self._on_commit(error, partitions)
 
     def _on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
         if error is not None:
@@ -341,6 +365,7 @@ class Engine:
             Exception: The commit or the leave failed before the deadline.
         """
         self._closing = True
+        self.telemetry.forget(self)  # a closing consumer's partitions are no longer reported
         try:
             if deadline is None:
                 self._final_commit_and_leave()
@@ -512,3 +537,11 @@ def complete(state: PartitionState, offset: int) -> None:
             state.done.add(offset)
         if engine.waiters:
             engine.changed.notify_all()
+
+
+def _partition_rows(engine: Engine) -> list[tuple[str, int, int | None, int, bool]]:
+    """``(topic, partition, lag, in_flight, paused)`` per assigned partition, for the gauges."""
+    with engine.lock:
+        return [
+            (s.topic, s.partition, s.lag, len(s.order), s.paused) for s in engine.states.values()
+        ]

@@ -87,6 +87,13 @@ class PartitionState:
             self.committable = last + 1
 
     @property
+    def lag(self) -> int | None:
+        """The high watermark minus the committed (else committable) offset, when both known."""
+        base = self.committed if self.committed >= 0 else self.committable
+        high = self.high
+        return None if base < 0 or high < 0 else max(0, high - base)
+
+    @property
     def in_flight(self) -> int:
         """Records fetched and not yet passed by the completed prefix."""
         return len(self.order)

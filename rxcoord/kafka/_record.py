@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from confluent_kafka import Message
 
+    from rxcoord._core.telemetry import RecordSpan
+
     from ._partitions import PartitionState
 
 __all__ = ["Record"]
@@ -29,10 +31,13 @@ class Record:
         key: The record's key (``bytes``) or ``None``.
     """
 
-    __slots__ = ("_lane", "_msg", "_state", "key", "offset")
+    # ``_span``: the record's span while tracing (see _telemetry.py); set only then, so the
+    # consumer's hot path, which makes records without __init__, never writes it.
+    __slots__ = ("_lane", "_msg", "_span", "_state", "key", "offset")
 
     offset: int
     key: bytes | None
+    _span: RecordSpan
 
     def __init__(self, msg: Message, offset: int, key: bytes | None, state: PartitionState) -> None:
         self._msg = msg

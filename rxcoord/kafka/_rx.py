@@ -15,6 +15,13 @@ prefix of completed offsets, pauses partitions beyond ``max_in_flight`` and comm
 and on disposal, like :class:`~rxcoord.kafka.KeyedConsumer` (which runs the same engine with a
 dispatcher of its own, because an Observable per record costs more than a fast handler).
 
+Context and traces: ``on_next`` runs in the context of the call that subscribed (its
+``contextvars``, ``logger.contextualize`` values) and, with an OpenTelemetry SDK configured,
+each record's ``<topic> process`` span is current while it is emitted (parent: the
+``traceparent`` in its headers); the span ends when the record passes ``commit_records`` (a
+record that never reaches it leaves its span unended, so unexported). Work a pipeline moves to
+other threads carries the context only where its operators do.
+
 One difference: records that wait inside ``serialize_by_key`` when their partition is revoked
 still run later (an operator cannot be told to drop them); their completions are dropped (the
 record's ``current`` is then false, for handlers that want to skip such work).
@@ -30,10 +37,13 @@ from confluent_kafka import Message
 from reactivex import Observable, abc
 from reactivex.disposable import Disposable
 
+from rxcoord._core.telemetry import traces_on
+
 from ._consumer import _check_config, _check_count, _check_seconds, _check_topics
 from ._engine import Engine, complete
 from ._partitions import ACTIVE, PartitionState
 from ._record import Record
+from ._telemetry import ConsumerTelemetry, record_done
 
 __all__ = ["commit_records", "kafka_records"]
 
@@ -47,6 +57,7 @@ def kafka_records(
     revoke_timeout: float = 10.0,
     startup_timeout: float = 10.0,
     batch_size: int = 500,
+    trace_record_keys: bool = False,
 ) -> Observable[Record]:
     """A cold Observable of the records of ``topics``; each subscription is one group member.
 
@@ -67,6 +78,7 @@ def kafka_records(
         revoke_timeout: Seconds a revoke waits for emitted records of the revoked partitions.
         startup_timeout: Seconds to wait for the cluster's metadata before failing.
         batch_size: Most records fetched per ``consume()`` call.
+        trace_record_keys: Put each record's key on its span (``messaging.kafka.message.key``).
 
     Returns:
         An Observable of :class:`Record`.
@@ -84,13 +96,24 @@ def kafka_records(
         "startup_timeout": _check_seconds(startup_timeout, "startup_timeout"),
         "batch_size": _check_count(batch_size, "batch_size"),
     }
+    if not isinstance(trace_record_keys, bool):
+        raise TypeError(f"trace_record_keys must be True or False, not {trace_record_keys!r}")
 
     def subscribe(
         observer: abc.ObserverBase[Record], scheduler: abc.SchedulerBase | None = None
     ) -> abc.DisposableBase:
         engine = Engine(conf, names, name=str(conf["group.id"]), **options)
         source = _Source(engine, observer)
-        thread = threading.Thread(target=source.run, name="rxcoord-kafka-records", daemon=True)
+        telemetry = source.telemetry = ConsumerTelemetry(
+            engine.telemetry, record_keys=trace_record_keys
+        )
+        telemetry.begin()  # the subscriber's context is the records'
+        thread = threading.Thread(
+            target=telemetry.thread_context().run,
+            args=(source.run,),
+            name="rxcoord-kafka-records",
+            daemon=True,
+        )
         thread.start()
 
         def dispose() -> None:
@@ -127,6 +150,7 @@ def commit_records() -> Callable[[Observable[Record]], Observable[Record]]:
                     )
                     return
                 complete(record._state, record.offset)
+                record_done(record)
                 observer.on_next(record)
 
             return source.subscribe(
@@ -145,6 +169,7 @@ class _Source:
         self.engine = engine
         self.observer = observer
         self.stopped = threading.Event()
+        self.telemetry: ConsumerTelemetry | None = None
         engine.processor = self
 
     def run(self) -> None:
@@ -170,6 +195,7 @@ class _Source:
         engine = self.engine
         states = engine.states
         on_next = self.observer.on_next
+        telemetry = self.telemetry if traces_on() else None
         engine.fetched += len(messages)
         for msg in messages:
             if self.stopped.is_set():
@@ -188,7 +214,11 @@ class _Source:
             st.fetched += 1
             with engine.lock:
                 st.order.append(offset)
-            on_next(Record(msg, offset, msg.key(), st))
+            record = Record(msg, offset, msg.key(), st)
+            if telemetry is None:
+                on_next(record)
+            else:
+                telemetry.run(record, on_next, record)  # its span current while it is emitted
 
     def outstanding(self, states: Sequence[PartitionState]) -> int:
         return sum(len(s.order) - len(s.done) for s in states)
