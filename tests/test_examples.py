@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from support.prometheus import Expected, check_samples, scrape_example
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -88,12 +86,9 @@ def test_every_example_is_run() -> None:
         assert covered, f"examples/{example.name} is run by no test"
 
 
-# What examples/observability.py's /metrics page must show after its workload: Prometheus sample
-# name, labels that must be present, and a check of the value. The lease instruments exist
-# today; when the coordinator and the Kafka consumer report theirs (issue 24), add e.g.
-#   ("rxcoord_job_duration_seconds_count", {"rxcoord_name": "orders",
-#    "rxcoord_outcome": "failed"}, lambda v: v == 3),
-OBSERVABILITY_METRICS: list[tuple[str, dict[str, str], Callable[[float], bool]]] = [
+# What examples/observability.py's /metrics page must show after its workload (the Kafka
+# consumer's instruments: tests/kafka/test_kafka_example.py, which has the broker).
+OBSERVABILITY_METRICS: list[Expected] = [
     ("rxcoord_lease_wait_seconds_count", {"rxcoord_outcome": "acquired"}, lambda v: v == 5),
     ("rxcoord_lease_wait_seconds_count", {"rxcoord_outcome": "timed_out"}, lambda v: v == 1),
     ("rxcoord_lease_wait_seconds_count", {"rxcoord_outcome": "taken"}, lambda v: v == 1),
@@ -113,42 +108,27 @@ OBSERVABILITY_METRICS: list[tuple[str, dict[str, str], Callable[[float], bool]]]
         {"rxcoord_name": "orders", "rxcoord_outcome": "completed"},
         lambda v: v == 7,
     ),
+    # still open while served, all its jobs ended: nothing active, queued or waiting
+    ("rxcoord_jobs_active", {"rxcoord_name": "orders"}, lambda v: v == 0),
+    ("rxcoord_jobs_queued", {"rxcoord_name": "orders"}, lambda v: v == 0),
+    ("rxcoord_jobs_waiting", {"rxcoord_name": "orders"}, lambda v: v == 0),
+    # the burst: 2 of 4 refused by a coordinator with room for 2
+    (
+        "rxcoord_jobs_rejected_total",
+        {"rxcoord_name": "burst", "rxcoord_reason": "too_many_tasks"},
+        lambda v: v == 2,
+    ),
+    # the fleet scheduler named reports: a permit from the store for each of its 4 jobs
+    (
+        "rxcoord_fleet_permit_wait_seconds_count",
+        {"rxcoord_name": "reports", "rxcoord_outcome": "acquired"},
+        lambda v: v == 4,
+    ),
 ]
 
 
 def test_observability_example_serves_the_instruments_on_metrics() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "observability.py"), "--port", "0", "--serve-for", "60"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:  # the workload runs first; then the page's address
-            lines.append(line)
-            if line.startswith("serving "):
-                break
-        assert lines, proc.stderr.read() if proc.stderr else ""
-        assert "leases: 5 acquired, 1 timed out, 1 taken, 1 lost, 1 held" in "".join(lines)
-        url = lines[-1].split()[-1]
-        with urllib.request.urlopen(url, timeout=10) as response:
-            page = response.read().decode()
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
-    samples = [
-        sample
-        for family in text_string_to_metric_families(page)
-        for sample in family.samples
-        if sample.name.startswith("rxcoord_")
-    ]
-    for name, labels, check in OBSERVABILITY_METRICS:
-        found = [
-            s.value
-            for s in samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        ]
-        assert len(found) == 1, f"{name}{labels}: {found} in {sorted({s.name for s in samples})}"
-        assert check(found[0]), f"{name}{labels} = {found[0]}"
+    printed, samples = scrape_example()
+    assert "leases: 5 acquired, 1 timed out, 1 taken, 1 lost, 1 held" in printed
+    assert "jobs: 10 run, 3 failed; 2 rejected; 4 fleet jobs" in printed
+    check_samples(samples, OBSERVABILITY_METRICS)
