@@ -6,8 +6,9 @@ queues it behind the running record of its key (a *lane*), or, when ``max_concur
 already run, in a FIFO of ready records; when a record ends, the next of its lane (or the oldest
 ready record) takes its slot; its offset is reported to its partition state, whose completed
 prefix the engine commits. This is ``serialize_by_key``'s contract (one lane per key that exists
-only while the key has work, FIFO over the cap), re-done without an Observable per record
-because that costs more per record than the whole budget of a trivial handler (see
+only while the key has work, FIFO over the cap), on the same lane table
+(``rxcoord._core.lanes``) but without an Observable per record, because that costs more per
+record than the whole budget of a trivial handler (see
 ``benchmarks/bench_kafka.py``); :func:`rxcoord.kafka.kafka_records` and
 :func:`rxcoord.kafka.commit_records` are the composable Rx form of the same path.
 
@@ -68,7 +69,6 @@ import signal
 import threading
 import time
 import types
-from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Final, Literal, NoReturn, cast
 
@@ -77,6 +77,8 @@ from reactivex import abc as rx_abc
 from reactivex import from_future
 
 from rxcoord import TenantScheduler, TenantTaskCoordinator, TooManyTasks
+from rxcoord._core.checks import check_count, check_interval
+from rxcoord._core.lanes import LaneTable
 from rxcoord._core.workers import WorkerPool
 
 from ._engine import Engine
@@ -221,9 +223,9 @@ class KeyedConsumer:
             raise TypeError(f"handle must be callable (handle(record)), not {handle!r}")
         if key is not None and not callable(key):
             raise TypeError(f"key must be a callable key(record) -> hashable or None, not {key!r}")
-        self._max_concurrency = _check_count(max_concurrency, "max_concurrency")
-        _check_count(max_in_flight, "max_in_flight")
-        _check_count(batch_size, "batch_size")
+        self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
+        check_count(max_in_flight, "max_in_flight", 1)
+        check_count(batch_size, "batch_size", 1)
         if scheduler is not None and not isinstance(
             scheduler, TenantTaskCoordinator | TenantScheduler
         ):
@@ -255,7 +257,7 @@ class KeyedConsumer:
         self._scheduler = scheduler
         self._tenant = tenant
         self._on_error = on_error
-        self._drain_timeout = _check_seconds(drain_timeout, "drain_timeout")
+        self._drain_timeout = check_interval(drain_timeout, "drain_timeout")
         self._is_async = inspect.iscoroutinefunction(handle)
         self._inline_mode = inline
         # With one topic (not a pattern) every message is of it: dispatch never asks.
@@ -275,9 +277,9 @@ class KeyedConsumer:
             config,
             topics,
             max_in_flight=max_in_flight,
-            commit_interval=_check_seconds(commit_interval, "commit_interval"),
-            revoke_timeout=_check_seconds(revoke_timeout, "revoke_timeout"),
-            startup_timeout=_check_seconds(startup_timeout, "startup_timeout"),
+            commit_interval=check_interval(commit_interval, "commit_interval"),
+            revoke_timeout=check_interval(revoke_timeout, "revoke_timeout"),
+            startup_timeout=check_interval(startup_timeout, "startup_timeout"),
             batch_size=batch_size,
             name=str(config["group.id"]),
             offsets=offsets,
@@ -300,12 +302,13 @@ class KeyedConsumer:
         self._lock = self._engine.lock
         self._log = self._engine.log
         self._state = ConsumerState.NEW
-        self._lanes: dict[Hashable, deque[Record]] = {}  # key -> records waiting behind its runner
-        self._ready: deque[Record] = deque()  # records whose turn came, over max_concurrency
+        # Records by ordering key: one at a time per key in offset order, at most
+        # max_concurrency holding a slot (``active``), the others ready in FIFO order; written
+        # under self._lock, read without it only by the poll thread's inline check.
+        self._lanes: LaneTable[Hashable, Record] = LaneTable(self._max_concurrency)
         self._retry: list[Record] = []  # refused by the scheduler (TooManyTasks): offer again
         self._retry_at = 0.0
-        self._running = 0
-        self._queued = 0
+        self._queued = 0  # records in the lanes that have not taken a slot yet
         self._completed = 0
         self._inline_completed = 0  # records that ran and ended on the poll thread
         self._handovers = 0  # inline calls the watchdog took over
@@ -425,7 +428,7 @@ class KeyedConsumer:
         engine = self._engine
         with self._lock:
             states = list(engine.states.values())
-            longest = max((len(lane) for lane in self._lanes.values()), default=0)
+            longest = max(0, self._lanes.longest() - 1)  # behind the key's head
             parts = []
             in_flight = 0
             for s in states:
@@ -438,7 +441,7 @@ class KeyedConsumer:
                 self._completed + self._inline_completed,
                 self._failed,
                 self._dropped,
-                self._running,
+                self._lanes.active,
                 self._queued + len(self._retry),
                 longest,
                 len(self._lanes),
@@ -595,7 +598,7 @@ class KeyedConsumer:
         # records ended or the deadline passed. With a stop, only running records are awaited.
         while time.monotonic() < deadline:
             with self._lock:
-                if (self._running if not self._accepting else self.pending()) == 0:
+                if (self._lanes.active if not self._accepting else self.pending()) == 0:
                     break
             engine.poll_once(False)
             if self._retry:
@@ -610,10 +613,10 @@ class KeyedConsumer:
         if self._retry:
             self._offer_retries()
         with self._lock:
-            if self._running:
+            if self._lanes.active:
                 self._log.warning(
                     "{} record(s) still running after the drain; not committed",
-                    self._running,
+                    self._lanes.active,
                 )
 
     def _shutdown_workers(self) -> None:
@@ -645,6 +648,7 @@ class KeyedConsumer:
         states = self._engine.states
         keyfn = self._key
         lanes = self._lanes
+        busy = lanes.keys()  # a live view: the inline check reads it without the lock
         inline = self._can_inline
         auto = self._inline_mode is None
         if inline and auto and self._ewma > _INLINE_BELOW:
@@ -701,7 +705,7 @@ class KeyedConsumer:
                 k = record  # no key: a key of its own (``_lane`` None: no reference cycle)
             else:
                 record._lane = k
-            if inline and k not in lanes and self._running < cap and self._accepting:
+            if inline and k not in busy and lanes.active < cap and self._accepting:
                 countdown -= 1
                 started = perf() if auto and countdown <= 0 else 0.0
                 put(record)  # the watchdog may claim it while the handler runs
@@ -712,7 +716,7 @@ class KeyedConsumer:
                         take()
                     except IndexError:
                         self._taken(record, None, exc, st, seen, last_offset, done_inline)
-                    self._adopt(record, k)
+                    self._enter(record, k)
                     self._after(self._ended(record, exc))
                     continue
                 except BaseException as exc:
@@ -740,27 +744,20 @@ class KeyedConsumer:
                         st.committable = offset + 1  # nothing earlier outstanding: the prefix
                     done_inline += 1
                 else:
-                    self._adopt(record, k)
+                    self._enter(record, k)
                     self._attach(record, result)
                 continue
-            start = None
             with self._lock:
                 st.order.append(offset)
-                lane = lanes.get(k)
-                if lane is not None:
-                    lane.append(record)
-                    self._queued += 1
+                # Behind its key's earlier records, or as a ready head if every slot is taken.
+                # (Started while the consumer stops without a drain, the start gate drops it.)
+                start = lanes.add(k, record)
+                if start:
+                    st.running += 1
                 else:
-                    lanes[k] = deque()
-                    if self._running < cap and self._accepting:
-                        self._running += 1
-                        st.running += 1
-                        start = record
-                    else:
-                        self._ready.append(record)
-                        self._queued += 1
-            if start is not None:
-                self._start(start)
+                    self._queued += 1
+            if start:
+                self._start(record)
         self._countdown = countdown
         self._account(st, seen, last_offset, done_inline)
 
@@ -808,12 +805,16 @@ class KeyedConsumer:
         return sum(s.started for s in states)
 
     def pending(self) -> int:
-        return self._running + self._queued  # records awaiting a retry hold slots
+        return self._lanes.active + self._queued  # records offered again hold slots
 
     def revoking(self, states: Sequence[PartitionState]) -> None:
-        # Their queued records are skipped when their turn comes (a record's state is checked
-        # before it starts), which keeps each lane's order intact without searching the lanes.
-        # Records waiting for a retry hold a slot: they give it back now.
+        # Their records that have not started leave the lanes now (each lane keeps its order);
+        # those already holding a slot are stopped by the start gate. Records to be offered
+        # again to a scheduler hold a slot: they give it back now.
+        with self._lock:
+            purged = self._lanes.purge(_revoked)
+            self._queued -= purged
+            self._dropped += purged
         if self._retry:
             with self._lock:
                 gone = [r for r in self._retry if r._state.phase != ACTIVE]
@@ -848,12 +849,7 @@ class KeyedConsumer:
             except IndexError:
                 return  # the call returned meanwhile
             # The poll thread is inside the handler: its partition state is ours to touch.
-            st = record._state
-            st.order.append(record.offset)
-            self._lanes[self._key_of(record)] = deque()
-            self._running += 1
-            st.running += 1
-            st.started += 1
+            self._enter_locked(record, self._key_of(record))
             self._handovers += 1
             # The average now says "slow": the next batches go to the workers until they
             # measure the handler fast again.
@@ -873,15 +869,21 @@ class KeyedConsumer:
 
     # -- running records -------------------------------------------------------------------
 
-    def _adopt(self, record: Record, k: Hashable) -> None:
+    def _enter(self, record: Record, k: Hashable) -> None:
         """Count an inline-started record as running in its (new) lane (it has started)."""
-        st = record._state
         with self._lock:
-            st.order.append(record.offset)
-            self._lanes[k] = deque()
-            self._running += 1
-            st.running += 1
-            st.started += 1
+            self._enter_locked(record, k)
+
+    def _enter_locked(self, record: Record, k: Hashable) -> None:
+        st = record._state
+        st.order.append(record.offset)
+        # Its key was idle and a slot free when the poll thread called the handler, and only
+        # the poll thread takes slots without giving one back (a finish passes its slot on):
+        # so it takes a slot now, as the head of its lane.
+        started = self._lanes.add(k, record)
+        assert started, "an inline record found no free slot"
+        st.running += 1
+        st.started += 1
 
     def _admit(self, record: Record) -> bool:
         """The start gate, right before a handler is called (any thread): False if the record
@@ -895,7 +897,7 @@ class KeyedConsumer:
             return True
 
     def _start(self, record: Record) -> None:
-        """Run a record that holds a slot (counted in ``_running``), outside the lock."""
+        """Run a record that holds a slot (an active head of the lanes), outside the lock."""
         if self._scheduler is not None:
             self._start_scheduled(record)
         elif self._is_async:
@@ -1027,9 +1029,7 @@ class KeyedConsumer:
             else:
                 error = self._apply_on_error(record, error)
         st = record._state
-        successors: list[Record] = []
         with self._lock:
-            self._running -= 1
             st.running -= 1
             if (not dropped) if started is None else started:
                 st.started -= 1
@@ -1041,64 +1041,35 @@ class KeyedConsumer:
                     st.done.add(record.offset)
                 else:
                     self._dropped += 1  # late result of a revoked assignment: dropped
-            k = self._key_of(record)
-            lane = self._lanes.get(k)
-            if lane is not None:
-                # The next record of this key in the lane, skipping those of revoked partitions.
-                while lane and self._accepting:
-                    nxt = lane.popleft()
-                    self._queued -= 1
-                    if nxt._state.phase != ACTIVE:
-                        self._dropped += 1
-                        continue
-                    if self._running < self._max_concurrency:
-                        self._running += 1
-                        nxt._state.running += 1
-                        successors.append(nxt)
-                    else:
-                        self._ready.append(nxt)
-                        self._queued += 1
-                    break
-                else:
-                    del self._lanes[k]
-            self._fill(successors)
+            successors = self._turns(self._lanes.finish(self._key_of(record)))
             if self._engine.waiters:
                 self._engine.changed.notify_all()
         return successors
 
-    def _fill(self, successors: list[Record]) -> None:
-        """Give free slots to ready records, oldest first (under the lock)."""
-        ready = self._ready
-        while ready and self._accepting and self._running < self._max_concurrency:
-            nxt = ready.popleft()
-            self._queued -= 1
-            if nxt._state.phase != ACTIVE:
-                self._dropped += 1
-                self._release_lane(nxt)
-                continue
-            self._running += 1
-            nxt._state.running += 1
-            successors.append(nxt)
+    def _turns(self, nxt: Record | None) -> list[Record]:
+        """The record the lane table gave a slot to, if it may run (under the lock).
 
-    def _release_lane(self, record: Record) -> None:
-        """A ready record was dropped: its lane's next record becomes ready (under the lock)."""
-        k = self._key_of(record)
-        lane = self._lanes.get(k)
-        if lane is None:
-            return
-        if lane:
-            self._ready.append(lane.popleft())  # stays counted in _queued
-        else:
-            del self._lanes[k]
+        One whose partition is no longer active, or any while the consumer stops without a
+        drain, never starts: it is dropped and passes the slot on, in the table's order.
+        Returns the record to start (by the caller, outside the lock), or nothing.
+        """
+        lanes = self._lanes
+        while nxt is not None:
+            self._queued -= 1
+            st = nxt._state
+            if st.phase == ACTIVE and self._accepting:
+                st.running += 1
+                return [nxt]
+            self._dropped += 1
+            nxt = lanes.finish(self._key_of(nxt))
+        return []
 
     def _drop_queued(self) -> None:
-        """Stopping: queued records never start (under the lock). Records waiting for a retry
-        hold slots; the poll loop's next ``_offer_retries`` drops them and frees the slots."""
-        self._dropped += self._queued
-        self._queued = 0
-        self._ready.clear()
-        for k in [k for k, lane in self._lanes.items() if lane]:
-            self._lanes[k].clear()
+        """Stopping: records that have not taken a slot never start (under the lock). Records
+        to be offered again hold slots; the poll loop's next ``_offer_retries`` drops them."""
+        purged = self._lanes.purge(_always)
+        self._dropped += purged
+        self._queued -= purged
 
     @staticmethod
     def _key_of(record: Record) -> Hashable:
@@ -1251,6 +1222,14 @@ class KeyedConsumer:
         return None if base < 0 or high < 0 else max(0, high - base)
 
 
+def _revoked(record: Record) -> bool:
+    return record._state.phase != ACTIVE
+
+
+def _always(record: Record) -> bool:
+    return True
+
+
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
@@ -1319,19 +1298,3 @@ def _check_topics(topics: Sequence[str]) -> list[str]:
         if not isinstance(name, str) or not name:
             raise TypeError(f"each topic must be a non-empty str, not {name!r}")
     return names
-
-
-def _check_count(value: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, not {value!r}")
-    if value < 1:
-        raise ValueError(f"{what} must be at least 1, not {value}")
-    return value
-
-
-def _check_seconds(value: float, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{what} must be a number of seconds, not {value!r}")
-    if not value > 0:
-        raise ValueError(f"{what} must be a positive number of seconds, not {value}")
-    return float(value)
