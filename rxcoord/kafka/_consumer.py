@@ -69,15 +69,15 @@ import signal
 import threading
 import time
 import types
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
 from typing import Any, Final, Literal, NoReturn, cast
 
 from confluent_kafka import Message
-from reactivex import abc as rx_abc
-from reactivex import from_future
+from reactivex import Observer, from_future
 
 from rxcoord import TenantScheduler, TenantTaskCoordinator, TooManyTasks
 from rxcoord._core.checks import check_count, check_interval
+from rxcoord._core.jobs import JobRun, is_work
 from rxcoord._core.lanes import LaneTable
 from rxcoord._core.workers import WorkerPool
 
@@ -105,12 +105,40 @@ class _Handover(Exception):
     """Leaves the poll loop on the thread whose inline call the watchdog took over (private)."""
 
 
-def _plain(result: object) -> bool:
-    """True when a handler's return value means "done": not an Observable, awaitable or future."""
-    return result is None or not (
-        isinstance(result, rx_abc.ObservableBase | concurrent.futures.Future)
-        or inspect.isawaitable(result)
-    )
+class _RecordWork(JobRun):
+    """What a handler returned that is work, run to its real end by the one job-shape runner
+    (``rxcoord._core.jobs``): the record ends once, when the work has ended. An Observable's
+    items are ignored; a coroutine runs on the consumer's loop (``run_async``'s, or its own)."""
+
+    __slots__ = ("_consumer", "_once", "_record")
+
+    def __init__(self, consumer: KeyedConsumer, record: Record) -> None:
+        super().__init__(_IGNORE, consumer._loop)
+        self._consumer = consumer
+        self._record = record
+        self._once = threading.Lock()
+
+    def _start_coroutine(self, coroutine: Coroutine[Any, Any, Any]) -> bool:
+        self.loop = self._consumer._ensure_loop()  # started only when a handler needs it
+        return super()._start_coroutine(coroutine)
+
+    def _release(self) -> bool:
+        return self._once.acquire(blocking=False)  # one end per record, whatever the work does
+
+    def _finish_value(self, value: Any) -> None:
+        if self._release():
+            self._consumer._ended_later(self._record, None)
+
+    def _completed(self) -> None:
+        if self._release():
+            self._consumer._ended_later(self._record, None)
+
+    def _terminate(self, error: Exception) -> None:
+        if self._release():
+            self._consumer._ended_later(self._record, error)
+
+
+_IGNORE: Final[Observer[Any]] = Observer(lambda _: None)  # an Observable handler's items
 
 
 class _Inside(threading.local):
@@ -730,7 +758,7 @@ class KeyedConsumer:
                     take()
                 except IndexError:
                     self._taken(record, result, None, st, seen, last_offset, done_inline)
-                if result is None or _plain(result):
+                if result is None or not is_work(result):
                     if started:
                         d = min(perf() - started, _CLAMP)
                         ewma = self._ewma = self._ewma + (d - self._ewma) * _EWMA
@@ -792,7 +820,7 @@ class KeyedConsumer:
                 self._after(self._ended(record, error))
             else:  # SystemExit and the like: the consumer stops with it (see _fail)
                 self._after(self._ended(record, None, dropped=True))
-        elif result is None or _plain(result):
+        elif result is None or not is_work(result):
             self._after(self._ended(record, None))
         else:
             self._attach(record, result)
@@ -948,7 +976,7 @@ class KeyedConsumer:
                 continue
             d = min(perf() - started, _CLAMP)
             self._ewma += (d - self._ewma) * _EWMA  # racy across workers: an estimate
-            if _plain(result):
+            if not is_work(result):
                 record = self._next_here(self._ended(record, None))
             else:
                 self._attach(record, result)
@@ -964,29 +992,7 @@ class KeyedConsumer:
 
     def _attach(self, record: Record, result: Any) -> None:
         """The handler returned an Observable, awaitable or future: the record ends with it."""
-        ended = functools.partial(self._ended_later, record)
-        if isinstance(result, rx_abc.ObservableBase):
-            done = threading.Lock()  # one end per record, whatever the Observable does
-
-            def once(error: Exception | None) -> None:
-                if done.acquire(blocking=False):
-                    ended(error)
-
-            result.subscribe(on_error=once, on_completed=lambda: once(None))
-        elif isinstance(result, concurrent.futures.Future):
-            result.add_done_callback(lambda f: ended(_future_error(f)))
-        elif isinstance(result, asyncio.Future):
-            result.get_loop().call_soon_threadsafe(
-                result.add_done_callback, lambda f: ended(_future_error(f))
-            )
-        else:
-            loop = self._ensure_loop()
-            try:
-                future = asyncio.run_coroutine_threadsafe(_awaited(result), loop)
-            except RuntimeError as exc:  # the loop was closed under us
-                ended(exc)
-                return
-            future.add_done_callback(lambda f: ended(_future_error(f)))
+        _RecordWork(self, record).start(result)
 
     def _ended_later(
         self, record: Record, error: BaseException | None, *, started: bool = True
@@ -1152,7 +1158,7 @@ class KeyedConsumer:
         done = threading.Lock()
 
         def on_next(value: Any) -> None:
-            if value is not _NOT_RUN and not _plain(value) and done.acquire(blocking=False):
+            if value is not _NOT_RUN and is_work(value) and done.acquire(blocking=False):
                 self._attach(record, value)
 
         def on_error(error: Exception) -> None:
@@ -1228,10 +1234,6 @@ def _revoked(record: Record) -> bool:
 
 def _always(record: Record) -> bool:
     return True
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
 
 
 def _future_error(future: Any) -> BaseException | None:
