@@ -65,6 +65,7 @@ import concurrent.futures
 import functools
 import inspect
 import itertools
+import re
 import signal
 import threading
 import time
@@ -79,8 +80,11 @@ from rxcoord import TenantScheduler, TenantTaskCoordinator, TooManyTasks
 from rxcoord._core.checks import check_count, check_interval
 from rxcoord._core.jobs import JobRun, is_work
 from rxcoord._core.lanes import LaneTable
+from rxcoord._core.retry import Retry
 from rxcoord._core.workers import WorkerPool
 
+from . import _attempts
+from ._attempts import DeadLetters, Progress, producer_config
 from ._engine import Engine
 from ._errors import ConsumerClosed
 from ._offsets import Dropped, PostgresOffsets, Stopped
@@ -99,6 +103,8 @@ _STALL: Final = 0.01  # seconds between the watchdog's looks at the running inli
 _RETRY_AFTER: Final = 0.05  # seconds before a record refused with TooManyTasks is offered again
 _NOT_RUN: Final = object()  # a job of a revoked partition (or a stopped consumer) that never ran
 _LEAVE_GRACE: Final = 1.0  # seconds the final commit and the group leave get past the drain
+_POLL_WAIT: Final = 0.05  # seconds a poll waits for records (bounds close and commit latency)
+_TICK: Final = 0.002  # ... while records wait for a retry or a delivery the poll thread serves
 
 
 class _Handover(Exception):
@@ -217,6 +223,30 @@ class KeyedConsumer:
             a database transaction always costs more than a thread hand-off.
         offsets: A :class:`PostgresOffsets`: exactly once into PostgreSQL (see above); the
             store serves this consumer only.
+        retry: A :class:`rxcoord.Retry`: a record whose handler raised a retried exception
+            waits (``backoff``, ...) and runs again, keeping its key (later records of the key
+            wait behind it, its partition's commit stays below it) but no slot and no thread.
+            After its last attempt ``dead_letter`` (else ``on_error``) decides. A revoke or a
+            stop drops a waiting record (not committed: it is processed again); a drain lets
+            it finish its attempts. ``None``: no retries. Not with ``offsets=``.
+        dead_letter: What happens to a record that failed its last attempt, instead of
+            ``on_error``: a topic name (the record is produced there with its key, value and
+            headers plus ``rxcoord.error``, ``rxcoord.attempts``, ``rxcoord.topic``,
+            ``rxcoord.partition``, ``rxcoord.offset``, ``rxcoord.group`` and
+            ``rxcoord.timestamp`` headers, and is done once the broker acknowledged it; a
+            refused delivery stops the consumer with :class:`DeadLetterFailed`, the record
+            not committed), or a callable ``dead_letter(record, exception)`` (done when it
+            returns; when it raises, the consumer stops with that exception). A topic needs
+            no ``offsets=``.
+        dead_letter_config: confluent-kafka producer settings for the dead-letter topic, over
+            the connection settings taken from ``config`` (``bootstrap.servers``,
+            ``security.protocol``, ``sasl.*``, ``ssl.*``, ...); e.g.
+            ``{"message.timeout.ms": 30000}``.
+        stall_after: Seconds after which a record still in progress (attempts and retry waits
+            together) counts as stalled: logged, passed to ``on_stall`` once, and counted in
+            ``stats().stalled_keys``. ``None``: not watched.
+        on_stall: ``on_stall(record, elapsed)``, called once per stalled record on a worker
+            thread of rxcoord's (keep it short). Needs ``stall_after``.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -244,6 +274,11 @@ class KeyedConsumer:
         batch_size: int = 500,
         inline: bool | None = None,
         offsets: PostgresOffsets | None = None,
+        retry: Retry | None = None,
+        dead_letter: str | Callable[[Record, Exception], object] | None = None,
+        dead_letter_config: Mapping[str, Any] | None = None,
+        stall_after: float | None = None,
+        on_stall: Callable[[Record, float], object] | None = None,
     ) -> None:
         config = _check_config(config)
         topics = _check_topics(topics)
@@ -280,6 +315,7 @@ class KeyedConsumer:
             raise TypeError(f"inline must be True, False or None, not {inline!r}")
         if offsets is not None and not isinstance(offsets, PostgresOffsets):
             raise TypeError(f"offsets must be a PostgresOffsets or None, not {offsets!r}")
+        _check_failures(retry, dead_letter, dead_letter_config, stall_after, on_stall, offsets)
         self._handle = cast("Callable[[Record], Any]", handle)
         self._key = key
         self._scheduler = scheduler
@@ -326,6 +362,32 @@ class KeyedConsumer:
             except BaseException:
                 self._engine.consumer.close()
                 raise
+        # After a failure: retries, dead letters, the stall watch (see _attempts.py).
+        self._retry_policy = retry
+        self._dead_letter = dead_letter
+        self._dead_letters: DeadLetters | None = None
+        if isinstance(dead_letter, str):
+            try:
+                self._dead_letters = DeadLetters(
+                    dead_letter,
+                    str(config["group.id"]),
+                    producer_config(config, dead_letter_config or {}),
+                )
+            except BaseException:
+                self._engine.consumer.close()
+                raise
+        self._stall_after = None if stall_after is None else float(stall_after)
+        self._on_stall = on_stall
+        # Records in progress get a clock (and a stall watch) when they start on a worker, a
+        # loop or a scheduler; the inline path stays untouched (its records end within ~20 ms
+        # or are taken over, and are tracked from then on).
+        self._tracking = retry is not None or stall_after is not None
+        self._progress: dict[Record, Progress] = {}  # records tracked beyond the plain path
+        self._due: list[Record] = []  # records whose retry wait ended: the poll thread resumes
+        self._retries = 0
+        self._retrying = 0  # records waiting for their next attempt
+        self._delivering = 0  # records waiting for their dead letter's delivery report
+        self._dead_lettered = 0
         self._engine.processor = self
         self._lock = self._engine.lock
         self._log = self._engine.log
@@ -456,6 +518,14 @@ class KeyedConsumer:
         engine = self._engine
         with self._lock:
             states = list(engine.states.values())
+            now = time.monotonic()
+            oldest: dict[PartitionState, float] = {}
+            stalled = 0
+            for record, progress in self._progress.items():
+                age = now - progress.first
+                if age > oldest.get(record._state, -1.0):
+                    oldest[record._state] = age
+                stalled += progress.stalled
             longest = max(0, self._lanes.longest() - 1)  # behind the key's head
             parts = []
             in_flight = 0
@@ -477,6 +547,10 @@ class KeyedConsumer:
                 engine.commits,
                 self._inline_completed,
                 self._handovers,
+                self._retries,
+                self._retrying,
+                self._dead_lettered,
+                stalled,
             )
         partitions = []
         for s, position, committable, committed, held, paused, epoch in parts:
@@ -491,10 +565,11 @@ class KeyedConsumer:
                     in_flight=held,
                     lag=self._lag(s, committed if committed >= 0 else committable),
                     paused=paused,
+                    oldest_in_progress=oldest.get(s),
                 )
             )
         (fetched, completed, failed, dropped, running, queued, longest, keys, reb, commits,
-         inline, handovers) = snapshot  # fmt: skip
+         inline, handovers, retries, retrying, dead_lettered, stalled) = snapshot  # fmt: skip
         return ConsumerStats(
             state=self._state,
             fetched=fetched,
@@ -511,6 +586,10 @@ class KeyedConsumer:
             commits=commits,
             inline=inline,
             handovers=handovers,
+            retries=retries,
+            retrying=retrying,
+            dead_lettered=dead_lettered,
+            stalled_keys=stalled,
             partitions=tuple(partitions),
         )
 
@@ -577,9 +656,10 @@ class KeyedConsumer:
                 self._dispatch(*resume)
                 engine.housekeeping()
             while not self._stop.is_set() and engine.failure is None:
-                engine.poll_once(True)
+                engine.poll_once(True, self._poll_timeout())
                 if self._retry and time.monotonic() >= self._retry_at:
                     self._offer_retries()
+                self._serve_attempts()
             self._finish_run()
         except _Handover:
             return
@@ -599,6 +679,9 @@ class KeyedConsumer:
             now + self._drain_timeout if drained is None else drained, now + _LEAVE_GRACE
         )
         try:
+            if self._dead_letters is not None and self._delivering:
+                # Reports that arrive now still complete their records for the final commit.
+                self._dead_letters.flush(min(deadline - time.monotonic(), _LEAVE_GRACE))
             self._engine.close(deadline)
         except BaseException as exc:
             if self._error is None:
@@ -628,9 +711,10 @@ class KeyedConsumer:
             with self._lock:
                 if (self._lanes.active if not self._accepting else self.pending()) == 0:
                     break
-            engine.poll_once(False)
+            engine.poll_once(False, self._poll_timeout())
             if self._retry:
                 self._offer_retries()
+            self._serve_attempts()
             if self._failure is not None and self._accepting:
                 with self._lock:
                     self._accepting = False
@@ -646,6 +730,18 @@ class KeyedConsumer:
                     "{} record(s) still running after the drain; not committed",
                     self._lanes.active,
                 )
+
+    def _poll_timeout(self) -> float:
+        """How long a poll may wait for records: shorter while records wait for their next
+        attempt or their dead letter's delivery, whose ends the poll thread serves."""
+        return _TICK if self._retrying or self._delivering else _POLL_WAIT
+
+    def _serve_attempts(self) -> None:
+        """Resume records whose retry wait ended; serve dead-letter delivery reports."""
+        if self._due:
+            _attempts.resume_due(self)
+        if self._delivering and self._dead_letters is not None:
+            self._dead_letters.poll()
 
     def _shutdown_workers(self) -> None:
         if self._pool is not None:
@@ -833,7 +929,9 @@ class KeyedConsumer:
         return sum(s.started for s in states)
 
     def pending(self) -> int:
-        return self._lanes.active + self._queued  # records offered again hold slots
+        # Records offered again hold slots; records between attempts or waiting for their
+        # dead letter's delivery hold none but are not done: a drain waits for them too.
+        return self._lanes.active + self._queued + self._retrying + self._delivering
 
     def revoking(self, states: Sequence[PartitionState]) -> None:
         # Their records that have not started leave the lanes now (each lane keeps its order);
@@ -843,6 +941,10 @@ class KeyedConsumer:
             purged = self._lanes.purge(_revoked)
             self._queued -= purged
             self._dropped += purged
+            # Records of these partitions between attempts (or waiting for a delivery report)
+            # are dropped, their timers cancelled: the next owner processes them again.
+            starts = _attempts.drop_if(self, _revoked) if self._progress else []
+        self._after(starts)
         if self._retry:
             with self._lock:
                 gone = [r for r in self._retry if r._state.phase != ACTIVE]
@@ -912,6 +1014,8 @@ class KeyedConsumer:
         assert started, "an inline record found no free slot"
         st.running += 1
         st.started += 1
+        if self._tracking:
+            _attempts.track(self, record, time.monotonic())
 
     def _admit(self, record: Record) -> bool:
         """The start gate, right before a handler is called (any thread): False if the record
@@ -922,6 +1026,8 @@ class KeyedConsumer:
             if st.phase != ACTIVE or not self._accepting:
                 return False
             st.started += 1
+            if self._tracking:
+                _attempts.track(self, record, time.monotonic())
             return True
 
     def _start(self, record: Record) -> None:
@@ -1033,9 +1139,16 @@ class KeyedConsumer:
                 error = error.error
                 self._fail(error)
             else:
+                if self._retry_policy is not None or self._dead_letters is not None:
+                    # Another attempt later, or a dead letter: the record stays in progress.
+                    later = _attempts.failed(self, record, error, started is not False)
+                    if later is not None:
+                        return later
                 error = self._apply_on_error(record, error)
         st = record._state
         with self._lock:
+            if self._progress:
+                _attempts.forget(self, record)
             st.running -= 1
             if (not dropped) if started is None else started:
                 st.started -= 1
@@ -1076,6 +1189,8 @@ class KeyedConsumer:
         purged = self._lanes.purge(_always)
         self._dropped += purged
         self._queued -= purged
+        if self._progress:
+            _attempts.drop_if(self, _always)  # starts nothing: the consumer no longer accepts
 
     @staticmethod
     def _key_of(record: Record) -> Hashable:
@@ -1083,8 +1198,10 @@ class KeyedConsumer:
         return record if k is None else k
 
     def _apply_on_error(self, record: Record, error: Exception) -> Exception | None:
-        """Apply ``on_error``; returns the error if the consumer must stop, else ``None``."""
-        policy = self._on_error
+        """Apply ``on_error`` (or a ``dead_letter`` callable); returns the error if the consumer
+        must stop, else ``None``."""
+        letter = self._dead_letter
+        policy = letter if callable(letter) else self._on_error
         with self._lock:
             self._failed += 1
         if policy == "skip":
@@ -1096,9 +1213,13 @@ class KeyedConsumer:
         try:
             policy(record, error)
         except Exception as exc:
-            self._log.opt(exception=exc).error("on_error raised for {}; stopping", record)
+            what = "dead_letter" if policy is letter else "on_error"
+            self._log.opt(exception=exc).error("{} raised for {}; stopping", what, record)
             self._fail(exc)
             return exc
+        if policy is letter:
+            with self._lock:
+                self._dead_lettered += 1
         return None
 
     def _fail(self, error: BaseException) -> None:
@@ -1285,6 +1406,62 @@ def _check_config(config: Mapping[str, Any]) -> dict[str, Any]:
             "prefix itself, and auto-commit would commit records still running"
         )
     return conf
+
+
+_TOPIC_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def _check_failures(
+    retry: object,
+    dead_letter: object,
+    dead_letter_config: object,
+    stall_after: object,
+    on_stall: object,
+    offsets: object,
+) -> None:
+    """The options of what happens after a failure (see ``_attempts.py``)."""
+    if retry is not None and not isinstance(retry, Retry):
+        raise TypeError(f"retry must be a rxcoord.Retry(...) or None, not {retry!r}")
+    if isinstance(dead_letter, str):
+        if not _TOPIC_NAME.fullmatch(dead_letter) or dead_letter in (".", ".."):
+            raise ValueError(
+                f"dead_letter={dead_letter!r} is not a Kafka topic name: use 1 to 249 of "
+                'letters, digits, ".", "_" and "-", e.g. dead_letter="orders.DLT"'
+            )
+    elif dead_letter is not None and not callable(dead_letter):
+        raise TypeError(
+            'dead_letter must be a topic name (e.g. "orders.DLT"), a callable '
+            f"dead_letter(record, exception) or None, not {dead_letter!r}"
+        )
+    if dead_letter_config is not None:
+        if not isinstance(dead_letter, str):
+            raise ValueError(
+                "dead_letter_config configures the dead-letter topic's producer: pass "
+                'dead_letter="topic" with it, or remove it'
+            )
+        if not isinstance(dead_letter_config, Mapping):
+            raise TypeError(
+                "dead_letter_config must be a dict of confluent-kafka producer settings, e.g. "
+                f'{{"message.timeout.ms": 30000}}, not {dead_letter_config!r}'
+            )
+    if offsets is not None and (retry is not None or isinstance(dead_letter, str)):
+        raise ValueError(
+            "retry= and a dead_letter topic do not work with offsets= yet (the record's "
+            "transaction decides its end): retry inside the handler, and pass a callable "
+            "dead_letter or on_error"
+        )
+    if stall_after is not None:
+        check_interval(stall_after, "stall_after")
+    if on_stall is not None:
+        if not callable(on_stall):
+            raise TypeError(
+                f"on_stall must be a callable on_stall(record, elapsed), not {on_stall!r}"
+            )
+        if stall_after is None:
+            raise ValueError(
+                "on_stall needs stall_after=: pass stall_after=seconds (e.g. 60.0), after which a "
+                "record in progress counts as stalled"
+            )
 
 
 def _check_topics(topics: Sequence[str]) -> list[str]:
