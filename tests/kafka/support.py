@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -448,3 +451,39 @@ def read_topic(bootstrap: str, topic: str, count: int, timeout: float = 30) -> l
     finally:
         consumer.close()
     return messages
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Child:
+    """``python -m MODULE ARGS...`` as a real process in the repository's root, its output in
+    ``cluster.tmp / NAME.out``: terminated (SIGTERM, a drain), killed (``kill -9``) or
+    awaited, its exit code checked."""
+
+    def __init__(self, cluster: Cluster, name: str, module: str, *args: str) -> None:
+        self.name = name
+        self.output = cluster.tmp / f"{name}.out"
+        with self.output.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def terminate(self, timeout: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        rc = self.proc.returncode
+        assert rc == 0, f"{self.name} exited {rc}: {self.output.read_text()[-3000:]}"
+        return rc

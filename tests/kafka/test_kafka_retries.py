@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +16,17 @@ from support.waiting import wait_until
 from rxcoord import Retry
 from rxcoord.kafka import DeadLetterFailed, KeyedConsumer, Record
 
-from .support import AttemptLog, Cluster, Running, check_retry_order, read_topic
+from .support import (
+    AttemptLog,
+    Child,
+    Cluster,
+    Running,
+    check_invariants,
+    check_retry_order,
+    completed_pairs,
+    keyed_items,
+    read_topic,
+)
 
 WAIT = 30.0  # bounds a wait on the broker (a group join takes seconds on Tansu)
 
@@ -197,12 +209,11 @@ def _stops_before(
         flaky(log, lambda record, attempt: record.value == b"p:0"),
         commit_interval=0.05, **options,
     )  # fmt: skip
-    started = time.monotonic()
-    with pytest.raises(error, match=match) as caught:
-        consumer.run()
-    assert time.monotonic() - started < WAIT
+    stopped = Running(consumer).join(WAIT)  # run() returns by itself, raising
+    assert isinstance(stopped, error), stopped
+    assert re.search(match, str(stopped)), stopped
     if error is DeadLetterFailed:
-        assert isinstance(caught.value.__cause__, Flaky)  # the handler's own exception
+        assert isinstance(stopped.__cause__, Flaky)  # the handler's own exception
     assert cluster.committed(topic, group, 1)[0] <= 1  # never past the poison record
     return log, consumer
 
@@ -345,3 +356,83 @@ def test_bad_options_are_refused_at_the_call_with_the_fix(
         KeyedConsumer(
             {"bootstrap.servers": "127.0.0.1:1", "group.id": "g"}, ["orders"], print, **kwargs
         )
+
+
+def _commits(path: Path) -> list[tuple[int, int, float]]:
+    """The commits a retry worker logged: (partition, offset, when)."""
+    if not path.exists():
+        return []
+    *lines, _partial = path.read_text().split("\n")
+    return [(int(p), int(o), float(at)) for _, p, o, at in (line.split() for line in lines if line)]
+
+
+def _retry_worker(
+    cluster: Cluster, topic: str, dead: str, group: str, name: str, interval: float, linger: int
+) -> Child:
+    return Child(
+        cluster, name, "tests.kafka.retry_worker", cluster.bootstrap, topic, dead, group,
+        str(cluster.log_for(name)), name, str(interval), str(linger),
+        str(cluster.tmp / f"commits-{name}.txt"),
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", ["before the delivery", "after the delivery"])
+def test_kill_9_around_a_dead_letter_never_loses_the_record(cluster: Cluster, kill: str) -> None:
+    topic = cluster.topic(2)
+    dead = cluster.topic(1)
+    seqs: dict[str, int] = {}
+    items = [*keyed_items(20, 4, seqs), ("poison", 0), *keyed_items(20, 4, seqs)]
+    produced = cluster.produce(topic, items)
+    partition, poison = produced.where[("poison", 0)]
+    ends = {p: produced.end.get(p, 0) for p in (0, 1)}
+    group = cluster.group()
+    if kill == "before the delivery":
+        # Commits every 0.1 s while the dead letter lingers in its producer for a minute.
+        first = _retry_worker(cluster, topic, dead, group, "w1", 0.1, 60_000)
+        others = set(produced.where) - {("poison", 0)}
+        wait_until(lambda: others <= completed_pairs(cluster.runs()), 60, "the other records")
+        wait_until(
+            lambda: len([r for r in cluster.runs() if r.key == "poison" and r.end]) == 2,
+            30,
+            "both attempts of the poison record",
+        )
+        done_at = max(r.end or 0.0 for r in cluster.runs())
+        # A record on the other partition, and its commit: a commit cycle after every record
+        # but the dead-lettered one ended. The poison's partition is committed no further.
+        other = 1 - partition
+        cluster.producer.produce(topic, key=b"tick", value=b"tick:0", partition=other)
+        assert cluster.producer.flush(30) == 0
+        ends[other] += 1
+        commits = cluster.tmp / "commits-w1.txt"
+        wait_until(
+            lambda: any(p == other and at > done_at for p, _, at in _commits(commits)),
+            30,
+            "a commit after the other records",
+        )
+        assert max(o for p, o, _ in _commits(commits) if p == partition) <= poison
+    else:
+        # Delivered at once, but no commit for a minute.
+        first = _retry_worker(cluster, topic, dead, group, "w1", 60.0, 5)
+        assert len(read_topic(cluster.bootstrap, dead, 1, timeout=60)) == 1
+    first.kill()
+    second = _retry_worker(cluster, topic, dead, group, "w2", 0.1, 5)
+    try:
+        wait_until(
+            lambda: all(  # (a partition without records has no commit)
+                cluster.committed(topic, group, 2)[p] == end for p, end in ends.items() if end
+            ),
+            90,
+            "the second run",
+        )
+    finally:
+        assert second.terminate() == 0
+    letters = read_topic(cluster.bootstrap, dead, 2, timeout=15)
+    assert [(m.key(), m.value()) for m in letters] == [(b"poison", b"poison:0")] * len(letters)
+    if kill == "before the delivery":
+        assert len(letters) == 1  # the killed run's letter was never sent; the second run's was
+    else:
+        assert len(letters) == 2  # at least once: delivered, not committed, so again
+    # The second run handled the record again (the first had not committed it).
+    assert [r for r in cluster.runs() if r.worker == "w2" and r.key == "poison"]
+    check_invariants(produced, cluster.runs(), duplicates=True, dead=["w1"])
