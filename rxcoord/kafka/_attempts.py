@@ -304,9 +304,10 @@ class DeadLetters:
 
     A dead letter is the record's key, value and headers, plus (after Spring Kafka's
     ``DeadLetterPublishingRecoverer``) where it came from and why it failed, as UTF-8 text:
-    ``rxcoord.error`` (``module.Type: message``), ``rxcoord.attempts``, ``rxcoord.topic``,
-    ``rxcoord.partition``, ``rxcoord.offset``, ``rxcoord.group`` and, when the record has one,
-    ``rxcoord.timestamp`` (milliseconds since the epoch).
+    ``rxcoord.error`` (``module.Type: message``, as a traceback's last line names it),
+    ``rxcoord.attempts``, ``rxcoord.topic``, ``rxcoord.partition``, ``rxcoord.offset``,
+    ``rxcoord.group`` and, when the record has one, ``rxcoord.timestamp`` (milliseconds since
+    the epoch).
     """
 
     def __init__(self, topic: str, group: str, config: Mapping[str, Any]) -> None:
@@ -328,17 +329,20 @@ class DeadLetters:
         attempts: int,
         on_delivery: Callable[[KafkaError | None, Message], None],
     ) -> None:
-        """Produce ``record``'s dead letter; ``on_delivery`` gets the broker's report (on the
-        thread that calls :meth:`poll`).
+        """Produce ``record``'s dead letter (any thread); ``on_delivery`` gets the broker's
+        report on the thread that calls :meth:`poll` or :meth:`flush` (the poll thread).
 
         Raises:
             BufferError: the producer's local queue is full.
             KafkaException: the producer refused the message.
         """
         kind = type(error)
+        name = kind.__qualname__
+        if kind.__module__ != "builtins":  # as a traceback names it
+            name = f"{kind.__module__}.{name}"
         headers: list[tuple[str, str | bytes | None]] = list(record.headers)
         headers += [
-            ("rxcoord.error", f"{kind.__module__}.{kind.__qualname__}: {error}".encode()),
+            ("rxcoord.error", f"{name}: {error}".encode()),
             ("rxcoord.attempts", str(attempts).encode()),
             ("rxcoord.topic", record.topic.encode()),
             ("rxcoord.partition", str(record.partition).encode()),
@@ -355,7 +359,8 @@ class DeadLetters:
             headers=headers,
             on_delivery=on_delivery,
         )
-        self.producer.poll(0)  # serve reports already in (cheap); the poll thread serves the rest
+        # Reports are served by the poll thread only (poll()): a delivered record's key moves
+        # on there, and only the poll thread may take a slot without giving one back.
 
     def poll(self) -> None:
         """Serve delivery reports (poll thread)."""
