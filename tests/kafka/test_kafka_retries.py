@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import Consumer
 from support.waiting import wait_until
 
 from rxcoord import Retry
@@ -265,6 +266,48 @@ def test_a_stop_during_a_retry_wait_drops_the_record_uncommitted(cluster: Cluste
     stats = consumer.stats()
     assert stats.retrying == 0
     assert stats.dropped >= 2  # p:0 (waiting) and p:1 (queued behind it)
+
+
+def test_a_revoke_during_a_retry_wait_drops_the_record_for_the_next_owner(
+    cluster: Cluster,
+) -> None:
+    topic = cluster.topic(1)
+    other_topic = cluster.topic(1)
+    cluster.produce(topic, [("p", 0), ("p", 1), ("a", 0)])
+    log = AttemptLog()
+    group = cluster.group()
+    consumer = KeyedConsumer(
+        cluster.config(group), [topic],
+        flaky(log, lambda record, attempt: record.value == b"p:0" and attempt == 1),
+        retry=Retry(attempts=2, backoff=600, jitter=0),  # a wait no test waits out
+        commit_interval=0.05,
+    )  # fmt: skip
+    running = Running(consumer)
+    wait_until(lambda: consumer.stats().retrying == 1, WAIT, "p:0 waiting")
+    # A second member on another topic of the group: the partition is revoked and given back
+    # under a new epoch (see test_kafka_rebalance.py).
+    other = Consumer(cluster.config(group))
+    other.subscribe([other_topic])
+    stop = threading.Event()
+    poller = threading.Thread(target=lambda: [other.poll(0.1) for _ in iter(stop.is_set, True)])
+    poller.start()
+    try:
+        # The waiting record was dropped (its key free, nothing committed past it): p:0 is
+        # fetched again and handled by the new assignment, long before its 600 s wait.
+        wait_until(lambda: log.count("ok", "p") == 2, WAIT * 2, "p:0 handled again")
+        wait_until(lambda: cluster.committed(topic, group, 1)[0] == 3, WAIT, "the commit")
+        assert [p.epoch for p in consumer.stats().partitions] not in ([], [1])  # a new one
+    finally:
+        stop.set()
+        poller.join()
+        other.close()
+    assert running.stop() is None
+    stats = consumer.stats()
+    assert stats.retrying == 0
+    assert stats.dropped >= 1
+    assert log.count("start", "p") == 3  # p:0 twice (once per epoch), p:1 once
+    # (a:0 ran under both epochs: nothing was committed past p:0; the checker is per epoch.)
+    check_retry_order([e for e in log.snapshot() if e.key == "p"], attempts=2)
 
 
 def test_a_drain_lets_a_waiting_record_finish_its_attempts(cluster: Cluster) -> None:
