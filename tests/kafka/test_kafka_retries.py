@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer
-from support.waiting import wait_until
+from support.waiting import until, wait_until
 
 from rxcoord import Retry
 from rxcoord.kafka import DeadLetterFailed, KeyedConsumer, Record
@@ -131,6 +132,37 @@ def test_a_retry_wait_gives_the_slot_and_the_thread_back(
     assert len(a_starts) == 2
     assert a_starts[0] < b_ok < a_starts[1]  # b ran during a's backoff
     check_retry_order(events, attempts=2)
+
+
+async def test_async_handlers_are_retried_in_key_order(
+    cluster: Cluster,
+) -> None:
+    topic = cluster.topic(1)
+    items = [(k, seq) for seq in range(4) for k in ("a", "b")]
+    cluster.produce(topic, items)
+    log = AttemptLog()
+    group = cluster.group()
+    attempts: dict[int, int] = defaultdict(int)
+
+    async def handle(record: Record) -> None:  # on run_async's loop
+        attempts[record.offset] += 1
+        log.add("start", record)
+        await asyncio.sleep(0.001)
+        if record.offset % 3 == 0 and attempts[record.offset] < 3:
+            log.add("fail", record)
+            raise Flaky(f"{record.value!r} failed")
+        log.add("ok", record)
+
+    consumer = KeyedConsumer(
+        cluster.config(group), [topic], handle, commit_interval=0.05,
+        retry=Retry(attempts=3, backoff=0.02),
+    )  # fmt: skip
+    task = asyncio.create_task(consumer.run_async())
+    await until(lambda: log.count("ok") == len(items), "all records", WAIT)
+    await consumer.aclose()
+    await task
+    check_retry_order(log.snapshot(), attempts=3)
+    assert consumer.stats().retries == 2 * len([o for o in range(len(items)) if o % 3 == 0])
 
 
 def test_a_dead_letter_carries_the_record_and_where_and_why_it_failed(
