@@ -15,7 +15,7 @@ import pytest
 from confluent_kafka import Consumer
 from support.waiting import until, wait_until
 
-from rxcoord import Retry
+from rxcoord import Retry, TenantTaskCoordinator
 from rxcoord.kafka import DeadLetterFailed, KeyedConsumer, Record
 
 from .support import (
@@ -161,6 +161,26 @@ async def test_async_handlers_are_retried_in_key_order(
     await until(lambda: log.count("ok") == len(items), "all records", WAIT)
     await consumer.aclose()
     await task
+    check_retry_order(log.snapshot(), attempts=3)
+    assert consumer.stats().retries == 2 * len([o for o in range(len(items)) if o % 3 == 0])
+
+
+def test_records_run_by_a_coordinator_are_retried_in_key_order(cluster: Cluster) -> None:
+    topic = cluster.topic(1)
+    items = [(k, seq) for seq in range(4) for k in ("a", "b")]
+    cluster.produce(topic, items)
+    log = AttemptLog()
+    with TenantTaskCoordinator(max_concurrency=2) as coordinator:
+        consumer = KeyedConsumer(
+            cluster.config(cluster.group()), [topic],
+            flaky(log, lambda record, attempt: record.offset % 3 == 0 and attempt < 3),
+            scheduler=coordinator, retry=Retry(attempts=3, backoff=0.02),
+        )  # fmt: skip
+        running = Running(consumer)
+        try:
+            wait_until(lambda: log.count("ok") == len(items), WAIT, "all records")
+        finally:
+            assert running.stop() is None
     check_retry_order(log.snapshot(), attempts=3)
     assert consumer.stats().retries == 2 * len([o for o in range(len(items)) if o % 3 == 0])
 
