@@ -181,6 +181,18 @@ def test_a_lane_of_one_item_allocates_no_queue() -> None:
     assert len(table) == 0
 
 
+def test_keys_is_a_live_view_of_the_keys_with_work() -> None:
+    table: LaneTable[str, Item] = LaneTable(1)
+    keys = table.keys()
+    assert "a" not in keys
+    table.add("a", Item("a", 0))
+    table.add("b", Item("b", 0))  # a ready head: its key has work too
+    assert set(keys) == {"a", "b"}
+    table.finish("a")
+    table.finish("b")
+    assert not keys
+
+
 def test_none_is_a_key_and_an_item_like_any_other() -> None:
     table: LaneTable[Any, Any] = LaneTable(1)
     assert table.add(None, None)

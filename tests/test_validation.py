@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from rxcoord import KeyedLocks, TenantScheduler, TenantTaskCoordinator
-from rxcoord._core.checks import check_deadline, check_delay, check_length, check_wait
+from rxcoord._core.checks import (
+    check_deadline,
+    check_delay,
+    check_interval,
+    check_length,
+    check_wait,
+)
 from rxcoord.leases import MemoryLeases
 
 
@@ -138,6 +144,16 @@ def test_the_policy_table() -> None:
     # delay: 0 at once, inf never
     assert check_delay(0, "idle_timeout") == 0.0
     assert check_delay(math.inf, "idle_timeout") == math.inf
+    # interval: finite and > 0, the name and the fix in the message
+    assert check_interval(2, "commit_interval") == 2.0
+    for bad in (0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="commit_interval must be a positive number"):
+            check_interval(bad, "commit_interval")
+    with pytest.raises(ValueError, match="finite bound"):
+        check_interval(math.inf, "drain_timeout")
+    for wrong in (None, True, "5"):
+        with pytest.raises(TypeError, match=r"e\.g\. stall_after=5\.0"):
+            check_interval(wrong, "stall_after")
     # everywhere: NaN, negatives and bools
     for check in (check_wait, check_deadline):
         with pytest.raises(ValueError, match="NaN"):

@@ -5,7 +5,7 @@ says what was wrong and what to pass instead. Types first (``TypeError``), then 
 (``ValueError``). ``bool`` is refused wherever a number is expected (``True`` is an ``int`` to
 Python, but ``timeout=True`` is always a mistake).
 
-Durations come in three kinds, because they mean three different things:
+Durations come in several kinds, because they mean different things:
 
 ============  =========================  ==============================================  ======
 kind          where                      0                                               inf
@@ -19,6 +19,9 @@ length        ``at_most_for``,           refused for ``at_most_for`` (a lease mu
               ``at_least_for``,          exist), allowed for ``at_least_for``            a lease
               ``permit_at_most_for``                                                     must end
 delay         ``idle_timeout``           at once                                         never
+interval      ``commit_interval``,       refused: a period or bound of rxcoord's own     refused
+              ``drain_timeout``,         machinery must let time pass
+              ``stall_after``
 ============  =========================  ==============================================  ======
 
 ``None`` means "no bound" for waits and deadlines (the same as ``inf``), and is refused for
@@ -49,6 +52,7 @@ __all__ = [
     "check_delay",
     "check_hashable",
     "check_identifier",
+    "check_interval",
     "check_lease_args",
     "check_lease_name",
     "check_length",
@@ -150,6 +154,26 @@ def check_delay(value: object, what: str) -> float:
     """
     seconds = _seconds(value, what, False)
     assert seconds is not None
+    return seconds
+
+
+def check_interval(value: object, what: str) -> float:
+    """A period or bound of rxcoord's own machinery (a commit interval, a drain or startup
+    bound, a stall threshold): seconds > 0 and at most :data:`MAX_SECONDS`.
+
+    Raises:
+        TypeError: Not a number (None and bools included).
+        ValueError: 0, negative, NaN, or beyond :data:`MAX_SECONDS` (infinite included).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, e.g. {what}=5.0, not {value!r}")
+    seconds = float(value)
+    if not seconds > 0:  # (NaN too)
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    if seconds > MAX_SECONDS:
+        raise ValueError(
+            f"{what} must be at most {MAX_SECONDS:g} seconds (a finite bound), got {value!r}"
+        )
     return seconds
 
 

@@ -36,7 +36,7 @@ from reactivex.scheduler.eventloop import AsyncIOScheduler
 
 from .futures import running_loop
 
-__all__ = ["JobRun", "Work", "job_takes_lease", "subscriber_loop"]
+__all__ = ["JobRun", "Work", "is_work", "job_takes_lease", "subscriber_loop"]
 
 _R = TypeVar("_R")
 
@@ -88,6 +88,16 @@ def job_takes_lease(fn: Callable[..., Any]) -> bool:
         f"fn must be callable as fn() or fn(lease), but its signature is {signature}; "
         "wrap it, e.g. lambda lease: fn(lease, ...)"
     )
+
+
+def is_work(result: object) -> bool:
+    """Whether what a job returned is work to run to its end (an Observable, an awaitable or a
+    ``concurrent.futures.Future``: :meth:`JobRun.start` runs it) rather than a plain value."""
+    if type(result) in _PLAIN:  # the common case, without the checks below
+        return False
+    if isinstance(result, abc.ObservableBase | concurrent.futures.Future):
+        return True
+    return inspect.isawaitable(result)
 
 
 class JobRun:

@@ -35,7 +35,7 @@ the bare item (the uncontended case allocates no queue).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, KeysView
 from typing import Any, Generic, TypeVar
 
 __all__ = ["LaneTable"]
@@ -72,6 +72,11 @@ class LaneTable(Generic[_K, _T]):
     def idle(self) -> bool:
         """True when no key has work and no slot is taken."""
         return not self._lanes and not self.active
+
+    def keys(self) -> KeysView[_K]:
+        """A live view of the keys with work. An owner may read it without its lock as a hint
+        that only the thread which adds keys can rely on (the Kafka dispatcher's inline check)."""
+        return self._lanes.keys()
 
     @property
     def ready(self) -> int:

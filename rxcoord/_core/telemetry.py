@@ -717,13 +717,28 @@ def inject_headers(headers: list[tuple[str, bytes]] | None = None) -> list[tuple
 
 
 class RecordSpan:
-    """One Kafka record's span: ``context`` is where its handler runs; :meth:`ended` ends it."""
+    """One Kafka record's span: ``context`` is where its handler runs; :meth:`ended` ends it.
 
-    __slots__ = ("context", "span")
+    A record retried (``KeyedConsumer(retry=...)``) keeps its span across its attempts: each
+    failed attempt is an event on it (:meth:`retrying`) and the next attempt runs in the same
+    context.
+    """
+
+    __slots__ = ("again", "context", "span")
 
     def __init__(self, context: contextvars.Context, span: Span | None) -> None:
         self.context = context
         self.span = span
+        self.again = False  # a failed attempt waits for the next one, under this span
+
+    def retrying(self, error: BaseException) -> None:
+        """An attempt failed and the record will be tried again (an event on the span)."""
+        self.again = True
+        if self.span is not None:
+            self.span.add_event(
+                "rxcoord.record.retry",
+                {"exception.type": type(error).__qualname__, "exception.message": str(error)},
+            )
 
     def ended(self, outcome: JobOutcome, error: BaseException | None = None) -> None:
         """End the span with the record's outcome (an error status on failure)."""

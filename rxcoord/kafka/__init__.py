@@ -29,6 +29,7 @@ from ._consumer import KeyedConsumer, OnError
 from ._errors import (
     BrokerUnavailable,
     ConsumerClosed,
+    DeadLetterFailed,
     KafkaConsumerError,
     OffsetStoreError,
     OffsetStoreMisconfigured,
@@ -45,6 +46,7 @@ __all__ = [
     "ConsumerClosed",
     "ConsumerState",
     "ConsumerStats",
+    "DeadLetterFailed",
     "KafkaConsumerError",
     "KeyedConsumer",
     "OffsetStoreError",

@@ -6,8 +6,9 @@ queues it behind the running record of its key (a *lane*), or, when ``max_concur
 already run, in a FIFO of ready records; when a record ends, the next of its lane (or the oldest
 ready record) takes its slot; its offset is reported to its partition state, whose completed
 prefix the engine commits. This is ``serialize_by_key``'s contract (one lane per key that exists
-only while the key has work, FIFO over the cap), re-done without an Observable per record
-because that costs more per record than the whole budget of a trivial handler (see
+only while the key has work, FIFO over the cap), on the same lane table
+(``rxcoord._core.lanes``) but without an Observable per record, because that costs more per
+record than the whole budget of a trivial handler (see
 ``benchmarks/bench_kafka.py``); :func:`rxcoord.kafka.kafka_records` and
 :func:`rxcoord.kafka.commit_records` are the composable Rx form of the same path.
 
@@ -64,21 +65,26 @@ import concurrent.futures
 import functools
 import inspect
 import itertools
+import re
 import signal
 import threading
 import time
 import types
-from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
 from typing import Any, Final, Literal, NoReturn, cast
 
 from confluent_kafka import Message
-from reactivex import abc as rx_abc
-from reactivex import from_future
+from reactivex import Observer, from_future
 
 from rxcoord import TenantScheduler, TenantTaskCoordinator, TooManyTasks
+from rxcoord._core.checks import check_count, check_interval
+from rxcoord._core.jobs import JobRun, is_work
+from rxcoord._core.lanes import LaneTable
+from rxcoord._core.retry import Retry
 from rxcoord._core.workers import WorkerPool
 
+from . import _attempts
+from ._attempts import DeadLetters, Progress, producer_config
 from ._engine import Engine
 from ._errors import ConsumerClosed
 from ._offsets import Dropped, PostgresOffsets, Stopped
@@ -98,18 +104,48 @@ _STALL: Final = 0.01  # seconds between the watchdog's looks at the running inli
 _RETRY_AFTER: Final = 0.05  # seconds before a record refused with TooManyTasks is offered again
 _NOT_RUN: Final = object()  # a job of a revoked partition (or a stopped consumer) that never ran
 _LEAVE_GRACE: Final = 1.0  # seconds the final commit and the group leave get past the drain
+_POLL_WAIT: Final = 0.05  # seconds a poll waits for records (bounds close and commit latency)
+_TICK: Final = 0.002  # ... while records wait for a retry or a delivery the poll thread serves
 
 
 class _Handover(Exception):
     """Leaves the poll loop on the thread whose inline call the watchdog took over (private)."""
 
 
-def _plain(result: object) -> bool:
-    """True when a handler's return value means "done": not an Observable, awaitable or future."""
-    return result is None or not (
-        isinstance(result, rx_abc.ObservableBase | concurrent.futures.Future)
-        or inspect.isawaitable(result)
-    )
+class _RecordWork(JobRun):
+    """What a handler returned that is work, run to its real end by the one job-shape runner
+    (``rxcoord._core.jobs``): the record ends once, when the work has ended. An Observable's
+    items are ignored; a coroutine runs on the consumer's loop (``run_async``'s, or its own)."""
+
+    __slots__ = ("_consumer", "_once", "_record")
+
+    def __init__(self, consumer: KeyedConsumer, record: Record) -> None:
+        super().__init__(_IGNORE, consumer._loop)
+        self._consumer = consumer
+        self._record = record
+        self._once = threading.Lock()
+
+    def _start_coroutine(self, coroutine: Coroutine[Any, Any, Any]) -> bool:
+        self.loop = self._consumer._ensure_loop()  # started only when a handler needs it
+        return super()._start_coroutine(coroutine)
+
+    def _release(self) -> bool:
+        return self._once.acquire(blocking=False)  # one end per record, whatever the work does
+
+    def _finish_value(self, value: Any) -> None:
+        if self._release():
+            self._consumer._ended_later(self._record, None)
+
+    def _completed(self) -> None:
+        if self._release():
+            self._consumer._ended_later(self._record, None)
+
+    def _terminate(self, error: Exception) -> None:
+        if self._release():
+            self._consumer._ended_later(self._record, error)
+
+
+_IGNORE: Final[Observer[Any]] = Observer(lambda _: None)  # an Observable handler's items
 
 
 class _Inside(threading.local):
@@ -194,6 +230,30 @@ class KeyedConsumer:
             a database transaction always costs more than a thread hand-off.
         offsets: A :class:`PostgresOffsets`: exactly once into PostgreSQL (see above); the
             store serves this consumer only.
+        retry: A :class:`rxcoord.Retry`: a record whose handler raised a retried exception
+            waits (``backoff``, ...) and runs again, keeping its key (later records of the key
+            wait behind it, its partition's commit stays below it) but no slot and no thread.
+            After its last attempt ``dead_letter`` (else ``on_error``) decides. A revoke or a
+            stop drops a waiting record (not committed: it is processed again); a drain lets
+            it finish its attempts. ``None``: no retries. Not with ``offsets=``.
+        dead_letter: What happens to a record that failed its last attempt, instead of
+            ``on_error``: a topic name (the record is produced there with its key, value and
+            headers plus ``rxcoord.error``, ``rxcoord.attempts``, ``rxcoord.topic``,
+            ``rxcoord.partition``, ``rxcoord.offset``, ``rxcoord.group`` and
+            ``rxcoord.timestamp`` headers, and is done once the broker acknowledged it; a
+            refused delivery stops the consumer with :class:`DeadLetterFailed`, the record
+            not committed), or a callable ``dead_letter(record, exception)`` (done when it
+            returns; when it raises, the consumer stops with that exception). A topic needs
+            no ``offsets=``.
+        dead_letter_config: confluent-kafka producer settings for the dead-letter topic, over
+            the connection settings taken from ``config`` (``bootstrap.servers``,
+            ``security.protocol``, ``sasl.*``, ``ssl.*``, ...); e.g.
+            ``{"message.timeout.ms": 30000}``.
+        stall_after: Seconds after which a record still in progress (attempts and retry waits
+            together) counts as stalled: logged, passed to ``on_stall`` once, and counted in
+            ``stats().stalled_keys``. ``None``: not watched.
+        on_stall: ``on_stall(record, elapsed)``, called once per stalled record on a worker
+            thread of rxcoord's (keep it short). Needs ``stall_after``.
         trace_record_keys: Put each record's key on its span (``messaging.kafka.message.key``,
             decoded as UTF-8). Off by default: keys may be personal data.
 
@@ -223,6 +283,11 @@ class KeyedConsumer:
         batch_size: int = 500,
         inline: bool | None = None,
         offsets: PostgresOffsets | None = None,
+        retry: Retry | None = None,
+        dead_letter: str | Callable[[Record, Exception], object] | None = None,
+        dead_letter_config: Mapping[str, Any] | None = None,
+        stall_after: float | None = None,
+        on_stall: Callable[[Record, float], object] | None = None,
         trace_record_keys: bool = False,
     ) -> None:
         config = _check_config(config)
@@ -231,9 +296,9 @@ class KeyedConsumer:
             raise TypeError(f"handle must be callable (handle(record)), not {handle!r}")
         if key is not None and not callable(key):
             raise TypeError(f"key must be a callable key(record) -> hashable or None, not {key!r}")
-        self._max_concurrency = _check_count(max_concurrency, "max_concurrency")
-        _check_count(max_in_flight, "max_in_flight")
-        _check_count(batch_size, "batch_size")
+        self._max_concurrency = check_count(max_concurrency, "max_concurrency", 1)
+        check_count(max_in_flight, "max_in_flight", 1)
+        check_count(batch_size, "batch_size", 1)
         if scheduler is not None and not isinstance(
             scheduler, TenantTaskCoordinator | TenantScheduler
         ):
@@ -260,12 +325,13 @@ class KeyedConsumer:
             raise TypeError(f"inline must be True, False or None, not {inline!r}")
         if offsets is not None and not isinstance(offsets, PostgresOffsets):
             raise TypeError(f"offsets must be a PostgresOffsets or None, not {offsets!r}")
+        _check_failures(retry, dead_letter, dead_letter_config, stall_after, on_stall, offsets)
         self._handle = cast("Callable[[Record], Any]", handle)
         self._key = key
         self._scheduler = scheduler
         self._tenant = tenant
         self._on_error = on_error
-        self._drain_timeout = _check_seconds(drain_timeout, "drain_timeout")
+        self._drain_timeout = check_interval(drain_timeout, "drain_timeout")
         self._is_async = inspect.iscoroutinefunction(handle)
         self._inline_mode = inline
         # With one topic (not a pattern) every message is of it: dispatch never asks.
@@ -285,9 +351,9 @@ class KeyedConsumer:
             config,
             topics,
             max_in_flight=max_in_flight,
-            commit_interval=_check_seconds(commit_interval, "commit_interval"),
-            revoke_timeout=_check_seconds(revoke_timeout, "revoke_timeout"),
-            startup_timeout=_check_seconds(startup_timeout, "startup_timeout"),
+            commit_interval=check_interval(commit_interval, "commit_interval"),
+            revoke_timeout=check_interval(revoke_timeout, "revoke_timeout"),
+            startup_timeout=check_interval(startup_timeout, "startup_timeout"),
             batch_size=batch_size,
             name=str(config["group.id"]),
             offsets=offsets,
@@ -306,18 +372,45 @@ class KeyedConsumer:
             except BaseException:
                 self._engine.consumer.close()
                 raise
+        # After a failure: retries, dead letters, the stall watch (see _attempts.py).
+        self._retry_policy = retry
+        self._dead_letter = dead_letter
+        self._dead_letters: DeadLetters | None = None
+        if isinstance(dead_letter, str):
+            try:
+                self._dead_letters = DeadLetters(
+                    dead_letter,
+                    str(config["group.id"]),
+                    producer_config(config, dead_letter_config or {}),
+                )
+            except BaseException:
+                self._engine.consumer.close()
+                raise
+        self._stall_after = None if stall_after is None else float(stall_after)
+        self._on_stall = on_stall
+        # Records in progress get a clock (and a stall watch) when they start on a worker, a
+        # loop or a scheduler; the inline path stays untouched (its records end within ~20 ms
+        # or are taken over, and are tracked from then on).
+        self._tracking = retry is not None or stall_after is not None
+        self._progress: dict[Record, Progress] = {}  # records tracked beyond the plain path
+        self._due: list[Record] = []  # records whose retry wait ended: the poll thread resumes
+        self._retries = 0
+        self._retrying = 0  # records waiting for their next attempt
+        self._delivering = 0  # records waiting for their dead letter's delivery report
+        self._dead_lettered = 0
         self._engine.processor = self
         # telemetry hook: the records' context, spans and counts (see _telemetry.py)
         self._telemetry = ConsumerTelemetry(self._engine.telemetry, record_keys=trace_record_keys)
         self._lock = self._engine.lock
         self._log = self._engine.log
         self._state = ConsumerState.NEW
-        self._lanes: dict[Hashable, deque[Record]] = {}  # key -> records waiting behind its runner
-        self._ready: deque[Record] = deque()  # records whose turn came, over max_concurrency
+        # Records by ordering key: one at a time per key in offset order, at most
+        # max_concurrency holding a slot (``active``), the others ready in FIFO order; written
+        # under self._lock, read without it only by the poll thread's inline check.
+        self._lanes: LaneTable[Hashable, Record] = LaneTable(self._max_concurrency)
         self._retry: list[Record] = []  # refused by the scheduler (TooManyTasks): offer again
         self._retry_at = 0.0
-        self._running = 0
-        self._queued = 0
+        self._queued = 0  # records in the lanes that have not taken a slot yet
         self._completed = 0
         self._inline_completed = 0  # records that ran and ended on the poll thread
         self._handovers = 0  # inline calls the watchdog took over
@@ -437,7 +530,15 @@ class KeyedConsumer:
         engine = self._engine
         with self._lock:
             states = list(engine.states.values())
-            longest = max((len(lane) for lane in self._lanes.values()), default=0)
+            now = time.monotonic()
+            oldest: dict[PartitionState, float] = {}
+            stalled = 0
+            for record, progress in self._progress.items():
+                age = now - progress.first
+                if age > oldest.get(record._state, -1.0):
+                    oldest[record._state] = age
+                stalled += progress.stalled
+            longest = max(0, self._lanes.longest() - 1)  # behind the key's head
             parts = []
             in_flight = 0
             for s in states:
@@ -450,7 +551,7 @@ class KeyedConsumer:
                 self._completed + self._inline_completed,
                 self._failed,
                 self._dropped,
-                self._running,
+                self._lanes.active,
                 self._queued + len(self._retry),
                 longest,
                 len(self._lanes),
@@ -458,6 +559,10 @@ class KeyedConsumer:
                 engine.commits,
                 self._inline_completed,
                 self._handovers,
+                self._retries,
+                self._retrying,
+                self._dead_lettered,
+                stalled,
             )
         partitions = []
         for s, position, committable, committed, held, paused, epoch in parts:
@@ -472,10 +577,11 @@ class KeyedConsumer:
                     in_flight=held,
                     lag=self._lag(s, committed if committed >= 0 else committable),
                     paused=paused,
+                    oldest_in_progress=oldest.get(s),
                 )
             )
         (fetched, completed, failed, dropped, running, queued, longest, keys, reb, commits,
-         inline, handovers) = snapshot  # fmt: skip
+         inline, handovers, retries, retrying, dead_lettered, stalled) = snapshot  # fmt: skip
         return ConsumerStats(
             state=self._state,
             fetched=fetched,
@@ -492,6 +598,10 @@ class KeyedConsumer:
             commits=commits,
             inline=inline,
             handovers=handovers,
+            retries=retries,
+            retrying=retrying,
+            dead_lettered=dead_lettered,
+            stalled_keys=stalled,
             partitions=tuple(partitions),
         )
 
@@ -559,9 +669,10 @@ class KeyedConsumer:
                 self._dispatch(*resume)
                 engine.housekeeping()
             while not self._stop.is_set() and engine.failure is None:
-                engine.poll_once(True)
+                engine.poll_once(True, self._poll_timeout())
                 if self._retry and time.monotonic() >= self._retry_at:
                     self._offer_retries()
+                self._serve_attempts()
             self._finish_run()
         except _Handover:
             return
@@ -581,6 +692,9 @@ class KeyedConsumer:
             now + self._drain_timeout if drained is None else drained, now + _LEAVE_GRACE
         )
         try:
+            if self._dead_letters is not None and self._delivering:
+                # Reports that arrive now still complete their records for the final commit.
+                self._dead_letters.flush(min(deadline - time.monotonic(), _LEAVE_GRACE))
             self._engine.close(deadline)
         except BaseException as exc:
             if self._error is None:
@@ -608,11 +722,12 @@ class KeyedConsumer:
         # records ended or the deadline passed. With a stop, only running records are awaited.
         while time.monotonic() < deadline:
             with self._lock:
-                if (self._running if not self._accepting else self.pending()) == 0:
+                if (self._lanes.active if not self._accepting else self.pending()) == 0:
                     break
-            engine.poll_once(False)
+            engine.poll_once(False, self._poll_timeout())
             if self._retry:
                 self._offer_retries()
+            self._serve_attempts()
             if self._failure is not None and self._accepting:
                 with self._lock:
                     self._accepting = False
@@ -623,11 +738,23 @@ class KeyedConsumer:
         if self._retry:
             self._offer_retries()
         with self._lock:
-            if self._running:
+            if self._lanes.active:
                 self._log.warning(
                     "{} record(s) still running after the drain; not committed",
-                    self._running,
+                    self._lanes.active,
                 )
+
+    def _poll_timeout(self) -> float:
+        """How long a poll may wait for records: shorter while records wait for their next
+        attempt or their dead letter's delivery, whose ends the poll thread serves."""
+        return _TICK if self._retrying or self._delivering else _POLL_WAIT
+
+    def _serve_attempts(self) -> None:
+        """Resume records whose retry wait ended; serve dead-letter delivery reports."""
+        if self._due:
+            _attempts.resume_due(self)
+        if self._delivering and self._dead_letters is not None:
+            self._dead_letters.poll()
 
     def _shutdown_workers(self) -> None:
         if self._pool is not None:
@@ -658,6 +785,7 @@ class KeyedConsumer:
         states = self._engine.states
         keyfn = self._key
         lanes = self._lanes
+        busy = lanes.keys()  # a live view: the inline check reads it without the lock
         inline = self._can_inline
         auto = self._inline_mode is None
         if inline and auto and self._ewma > _INLINE_BELOW:
@@ -716,7 +844,7 @@ class KeyedConsumer:
                 k = record  # no key: a key of its own (``_lane`` None: no reference cycle)
             else:
                 record._lane = k
-            if inline and k not in lanes and self._running < cap and self._accepting:
+            if inline and k not in busy and lanes.active < cap and self._accepting:
                 countdown -= 1
                 started = perf() if auto and countdown <= 0 else 0.0
                 put(record)  # the watchdog may claim it while the handler runs
@@ -727,7 +855,7 @@ class KeyedConsumer:
                         take()
                     except IndexError:
                         self._taken(record, None, exc, st, seen, last_offset, done_inline)
-                    self._adopt(record, k)
+                    self._enter(record, k)
                     self._after(self._ended(record, exc))
                     continue
                 except BaseException as exc:
@@ -741,7 +869,7 @@ class KeyedConsumer:
                     take()
                 except IndexError:
                     self._taken(record, result, None, st, seen, last_offset, done_inline)
-                if result is None or _plain(result):
+                if result is None or not is_work(result):
                     if started:
                         d = min(perf() - started, _CLAMP)
                         ewma = self._ewma = self._ewma + (d - self._ewma) * _EWMA
@@ -757,27 +885,20 @@ class KeyedConsumer:
                     if watched:
                         telemetry.completed(record)  # telemetry hook
                 else:
-                    self._adopt(record, k)
+                    self._enter(record, k)
                     self._attach(record, result)
                 continue
-            start = None
             with self._lock:
                 st.order.append(offset)
-                lane = lanes.get(k)
-                if lane is not None:
-                    lane.append(record)
-                    self._queued += 1
+                # Behind its key's earlier records, or as a ready head if every slot is taken.
+                # (Started while the consumer stops without a drain, the start gate drops it.)
+                start = lanes.add(k, record)
+                if start:
+                    st.running += 1
                 else:
-                    lanes[k] = deque()
-                    if self._running < cap and self._accepting:
-                        self._running += 1
-                        st.running += 1
-                        start = record
-                    else:
-                        self._ready.append(record)
-                        self._queued += 1
-            if start is not None:
-                self._start(start)
+                    self._queued += 1
+            if start:
+                self._start(record)
         self._countdown = countdown
         self._account(st, seen, last_offset, done_inline)
 
@@ -812,7 +933,7 @@ class KeyedConsumer:
                 self._after(self._ended(record, error))
             else:  # SystemExit and the like: the consumer stops with it (see _fail)
                 self._after(self._ended(record, None, dropped=True))
-        elif result is None or _plain(result):
+        elif result is None or not is_work(result):
             self._after(self._ended(record, None))
         else:
             self._attach(record, result)
@@ -825,12 +946,22 @@ class KeyedConsumer:
         return sum(s.started for s in states)
 
     def pending(self) -> int:
-        return self._running + self._queued  # records awaiting a retry hold slots
+        # Records offered again hold slots; records between attempts or waiting for their
+        # dead letter's delivery hold none but are not done: a drain waits for them too.
+        return self._lanes.active + self._queued + self._retrying + self._delivering
 
     def revoking(self, states: Sequence[PartitionState]) -> None:
-        # Their queued records are skipped when their turn comes (a record's state is checked
-        # before it starts), which keeps each lane's order intact without searching the lanes.
-        # Records waiting for a retry hold a slot: they give it back now.
+        # Their records that have not started leave the lanes now (each lane keeps its order);
+        # those already holding a slot are stopped by the start gate. Records to be offered
+        # again to a scheduler hold a slot: they give it back now.
+        with self._lock:
+            purged = self._lanes.purge(_revoked)
+            self._queued -= purged
+            self._dropped += purged
+            # Records of these partitions between attempts (or waiting for a delivery report)
+            # are dropped, their timers cancelled: the next owner processes them again.
+            starts = _attempts.drop_if(self, _revoked) if self._progress else []
+        self._after(starts)
         if self._retry:
             with self._lock:
                 gone = [r for r in self._retry if r._state.phase != ACTIVE]
@@ -865,12 +996,7 @@ class KeyedConsumer:
             except IndexError:
                 return  # the call returned meanwhile
             # The poll thread is inside the handler: its partition state is ours to touch.
-            st = record._state
-            st.order.append(record.offset)
-            self._lanes[self._key_of(record)] = deque()
-            self._running += 1
-            st.running += 1
-            st.started += 1
+            self._enter_locked(record, self._key_of(record))
             self._handovers += 1
             # The average now says "slow": the next batches go to the workers until they
             # measure the handler fast again.
@@ -893,15 +1019,23 @@ class KeyedConsumer:
 
     # -- running records -------------------------------------------------------------------
 
-    def _adopt(self, record: Record, k: Hashable) -> None:
+    def _enter(self, record: Record, k: Hashable) -> None:
         """Count an inline-started record as running in its (new) lane (it has started)."""
-        st = record._state
         with self._lock:
-            st.order.append(record.offset)
-            self._lanes[k] = deque()
-            self._running += 1
-            st.running += 1
-            st.started += 1
+            self._enter_locked(record, k)
+
+    def _enter_locked(self, record: Record, k: Hashable) -> None:
+        st = record._state
+        st.order.append(record.offset)
+        # Its key was idle and a slot free when the poll thread called the handler, and only
+        # the poll thread takes slots without giving one back (a finish passes its slot on):
+        # so it takes a slot now, as the head of its lane.
+        started = self._lanes.add(k, record)
+        assert started, "an inline record found no free slot"
+        st.running += 1
+        st.started += 1
+        if self._tracking:
+            _attempts.track(self, record, time.monotonic())
 
     def _admit(self, record: Record) -> bool:
         """The start gate, right before a handler is called (any thread): False if the record
@@ -912,10 +1046,12 @@ class KeyedConsumer:
             if st.phase != ACTIVE or not self._accepting:
                 return False
             st.started += 1
+            if self._tracking:
+                _attempts.track(self, record, time.monotonic())
             return True
 
     def _start(self, record: Record) -> None:
-        """Run a record that holds a slot (counted in ``_running``), outside the lock."""
+        """Run a record that holds a slot (an active head of the lanes), outside the lock."""
         # telemetry hook: scheduled jobs and tasks start in the record's context (they copy it)
         if self._scheduler is not None:
             self._telemetry.run(record, self._start_scheduled, record)
@@ -969,7 +1105,7 @@ class KeyedConsumer:
                 continue
             d = min(perf() - started, _CLAMP)
             self._ewma += (d - self._ewma) * _EWMA  # racy across workers: an estimate
-            if _plain(result):
+            if not is_work(result):
                 record = self._next_here(self._ended(record, None))
             else:
                 self._attach(record, result)
@@ -985,29 +1121,7 @@ class KeyedConsumer:
 
     def _attach(self, record: Record, result: Any) -> None:
         """The handler returned an Observable, awaitable or future: the record ends with it."""
-        ended = functools.partial(self._ended_later, record)
-        if isinstance(result, rx_abc.ObservableBase):
-            done = threading.Lock()  # one end per record, whatever the Observable does
-
-            def once(error: Exception | None) -> None:
-                if done.acquire(blocking=False):
-                    ended(error)
-
-            result.subscribe(on_error=once, on_completed=lambda: once(None))
-        elif isinstance(result, concurrent.futures.Future):
-            result.add_done_callback(lambda f: ended(_future_error(f)))
-        elif isinstance(result, asyncio.Future):
-            result.get_loop().call_soon_threadsafe(
-                result.add_done_callback, lambda f: ended(_future_error(f))
-            )
-        else:
-            loop = self._ensure_loop()
-            try:
-                future = asyncio.run_coroutine_threadsafe(_awaited(result), loop)
-            except RuntimeError as exc:  # the loop was closed under us
-                ended(exc)
-                return
-            future.add_done_callback(lambda f: ended(_future_error(f)))
+        _RecordWork(self, record).start(result)
 
     def _ended_later(
         self, record: Record, error: BaseException | None, *, started: bool = True
@@ -1038,7 +1152,7 @@ class KeyedConsumer:
 
         Returns the records that take slots now (to be started by the caller, outside the lock).
         """
-        self._telemetry.ended(record, error, dropped)  # telemetry hook: outcome, span end
+        decide = False  # on_error decides about a failure
         if error is not None and not dropped:
             # The hook where a record ends, for offsets= (see _offsets.py): a fenced record's
             # transaction rolled back, so its result is dropped like a revoked partition's; a
@@ -1049,11 +1163,20 @@ class KeyedConsumer:
                 error = error.error
                 self._fail(error)
             else:
-                error = self._apply_on_error(record, error)
+                if self._retry_policy is not None or self._dead_letters is not None:
+                    # Another attempt later, or a dead letter: the record stays in progress.
+                    later = _attempts.failed(self, record, error, started is not False)
+                    if later is not None:
+                        return later
+                decide = True
+        self._telemetry.ended(record, error, dropped)  # telemetry hook: outcome, span end
+        if decide:
+            assert error is not None
+            error = self._apply_on_error(record, error)
         st = record._state
-        successors: list[Record] = []
         with self._lock:
-            self._running -= 1
+            if self._progress:
+                _attempts.forget(self, record)
             st.running -= 1
             if (not dropped) if started is None else started:
                 st.started -= 1
@@ -1065,64 +1188,37 @@ class KeyedConsumer:
                     st.done.add(record.offset)
                 else:
                     self._dropped += 1  # late result of a revoked assignment: dropped
-            k = self._key_of(record)
-            lane = self._lanes.get(k)
-            if lane is not None:
-                # The next record of this key in the lane, skipping those of revoked partitions.
-                while lane and self._accepting:
-                    nxt = lane.popleft()
-                    self._queued -= 1
-                    if nxt._state.phase != ACTIVE:
-                        self._dropped += 1
-                        continue
-                    if self._running < self._max_concurrency:
-                        self._running += 1
-                        nxt._state.running += 1
-                        successors.append(nxt)
-                    else:
-                        self._ready.append(nxt)
-                        self._queued += 1
-                    break
-                else:
-                    del self._lanes[k]
-            self._fill(successors)
+            successors = self._turns(self._lanes.finish(self._key_of(record)))
             if self._engine.waiters:
                 self._engine.changed.notify_all()
         return successors
 
-    def _fill(self, successors: list[Record]) -> None:
-        """Give free slots to ready records, oldest first (under the lock)."""
-        ready = self._ready
-        while ready and self._accepting and self._running < self._max_concurrency:
-            nxt = ready.popleft()
-            self._queued -= 1
-            if nxt._state.phase != ACTIVE:
-                self._dropped += 1
-                self._release_lane(nxt)
-                continue
-            self._running += 1
-            nxt._state.running += 1
-            successors.append(nxt)
+    def _turns(self, nxt: Record | None) -> list[Record]:
+        """The record the lane table gave a slot to, if it may run (under the lock).
 
-    def _release_lane(self, record: Record) -> None:
-        """A ready record was dropped: its lane's next record becomes ready (under the lock)."""
-        k = self._key_of(record)
-        lane = self._lanes.get(k)
-        if lane is None:
-            return
-        if lane:
-            self._ready.append(lane.popleft())  # stays counted in _queued
-        else:
-            del self._lanes[k]
+        One whose partition is no longer active, or any while the consumer stops without a
+        drain, never starts: it is dropped and passes the slot on, in the table's order.
+        Returns the record to start (by the caller, outside the lock), or nothing.
+        """
+        lanes = self._lanes
+        while nxt is not None:
+            self._queued -= 1
+            st = nxt._state
+            if st.phase == ACTIVE and self._accepting:
+                st.running += 1
+                return [nxt]
+            self._dropped += 1
+            nxt = lanes.finish(self._key_of(nxt))
+        return []
 
     def _drop_queued(self) -> None:
-        """Stopping: queued records never start (under the lock). Records waiting for a retry
-        hold slots; the poll loop's next ``_offer_retries`` drops them and frees the slots."""
-        self._dropped += self._queued
-        self._queued = 0
-        self._ready.clear()
-        for k in [k for k, lane in self._lanes.items() if lane]:
-            self._lanes[k].clear()
+        """Stopping: records that have not taken a slot never start (under the lock). Records
+        to be offered again hold slots; the poll loop's next ``_offer_retries`` drops them."""
+        purged = self._lanes.purge(_always)
+        self._dropped += purged
+        self._queued -= purged
+        if self._progress:
+            _attempts.drop_if(self, _always)  # starts nothing: the consumer no longer accepts
 
     @staticmethod
     def _key_of(record: Record) -> Hashable:
@@ -1130,8 +1226,10 @@ class KeyedConsumer:
         return record if k is None else k
 
     def _apply_on_error(self, record: Record, error: Exception) -> Exception | None:
-        """Apply ``on_error``; returns the error if the consumer must stop, else ``None``."""
-        policy = self._on_error
+        """Apply ``on_error`` (or a ``dead_letter`` callable); returns the error if the consumer
+        must stop, else ``None``."""
+        letter = self._dead_letter
+        policy = letter if callable(letter) else self._on_error
         with self._lock:
             self._failed += 1
         if policy == "skip":
@@ -1143,9 +1241,13 @@ class KeyedConsumer:
         try:
             policy(record, error)
         except Exception as exc:
-            self._log.opt(exception=exc).error("on_error raised for {}; stopping", record)
+            what = "dead_letter" if policy is letter else "on_error"
+            self._log.opt(exception=exc).error("{} raised for {}; stopping", what, record)
             self._fail(exc)
             return exc
+        if policy is letter:
+            with self._lock:
+                self._dead_lettered += 1
         return None
 
     def _fail(self, error: BaseException) -> None:
@@ -1205,7 +1307,7 @@ class KeyedConsumer:
         done = threading.Lock()
 
         def on_next(value: Any) -> None:
-            if value is not _NOT_RUN and not _plain(value) and done.acquire(blocking=False):
+            if value is not _NOT_RUN and is_work(value) and done.acquire(blocking=False):
                 self._attach(record, value)
 
         def on_error(error: Exception) -> None:
@@ -1275,8 +1377,12 @@ class KeyedConsumer:
         return None if base < 0 or high < 0 else max(0, high - base)
 
 
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+def _revoked(record: Record) -> bool:
+    return record._state.phase != ACTIVE
+
+
+def _always(record: Record) -> bool:
+    return True
 
 
 def _future_error(future: Any) -> BaseException | None:
@@ -1330,6 +1436,62 @@ def _check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return conf
 
 
+_TOPIC_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def _check_failures(
+    retry: object,
+    dead_letter: object,
+    dead_letter_config: object,
+    stall_after: object,
+    on_stall: object,
+    offsets: object,
+) -> None:
+    """The options of what happens after a failure (see ``_attempts.py``)."""
+    if retry is not None and not isinstance(retry, Retry):
+        raise TypeError(f"retry must be a rxcoord.Retry(...) or None, not {retry!r}")
+    if isinstance(dead_letter, str):
+        if not _TOPIC_NAME.fullmatch(dead_letter) or dead_letter in (".", ".."):
+            raise ValueError(
+                f"dead_letter={dead_letter!r} is not a Kafka topic name: use 1 to 249 of "
+                'letters, digits, ".", "_" and "-", e.g. dead_letter="orders.DLT"'
+            )
+    elif dead_letter is not None and not callable(dead_letter):
+        raise TypeError(
+            'dead_letter must be a topic name (e.g. "orders.DLT"), a callable '
+            f"dead_letter(record, exception) or None, not {dead_letter!r}"
+        )
+    if dead_letter_config is not None:
+        if not isinstance(dead_letter, str):
+            raise ValueError(
+                "dead_letter_config configures the dead-letter topic's producer: pass "
+                'dead_letter="topic" with it, or remove it'
+            )
+        if not isinstance(dead_letter_config, Mapping):
+            raise TypeError(
+                "dead_letter_config must be a dict of confluent-kafka producer settings, e.g. "
+                f'{{"message.timeout.ms": 30000}}, not {dead_letter_config!r}'
+            )
+    if offsets is not None and (retry is not None or isinstance(dead_letter, str)):
+        raise ValueError(
+            "retry= and a dead_letter topic do not work with offsets= yet (the record's "
+            "transaction decides its end): retry inside the handler, and pass a callable "
+            "dead_letter or on_error"
+        )
+    if stall_after is not None:
+        check_interval(stall_after, "stall_after")
+    if on_stall is not None:
+        if not callable(on_stall):
+            raise TypeError(
+                f"on_stall must be a callable on_stall(record, elapsed), not {on_stall!r}"
+            )
+        if stall_after is None:
+            raise ValueError(
+                "on_stall needs stall_after=: pass stall_after=seconds (e.g. 60.0), after which a "
+                "record in progress counts as stalled"
+            )
+
+
 def _check_topics(topics: Sequence[str]) -> list[str]:
     if isinstance(topics, str | bytes):
         raise TypeError(f"topics must be a list of names, e.g. [{topics!r}], not a string")
@@ -1343,19 +1505,3 @@ def _check_topics(topics: Sequence[str]) -> list[str]:
         if not isinstance(name, str) or not name:
             raise TypeError(f"each topic must be a non-empty str, not {name!r}")
     return names
-
-
-def _check_count(value: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, not {value!r}")
-    if value < 1:
-        raise ValueError(f"{what} must be at least 1, not {value}")
-    return value
-
-
-def _check_seconds(value: float, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{what} must be a number of seconds, not {value!r}")
-    if not value > 0:
-        raise ValueError(f"{what} must be a positive number of seconds, not {value}")
-    return float(value)

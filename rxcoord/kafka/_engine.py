@@ -205,9 +205,12 @@ class Engine:
         self.telemetry.observe(self, _partition_rows)
         self._next_commit = time.monotonic() + self.commit_interval
 
-    def poll_once(self, accept: bool) -> None:
-        """One turn: fetch a batch (dispatched if ``accept``), move commit points, pause, commit."""
-        messages = self.consumer.consume(self.batch_size, _POLL_TIMEOUT)
+    def poll_once(self, accept: bool, timeout: float = _POLL_TIMEOUT) -> None:
+        """One turn: fetch a batch (dispatched if ``accept``), move commit points, pause, commit.
+
+        ``timeout``: seconds ``consume()`` may wait for a batch (shorter while the processor
+        has timed work for the poll thread, such as records whose retry wait ended)."""
+        messages = self.consumer.consume(self.batch_size, timeout)
         if messages and accept:
             assert self.processor is not None
             self.processor.dispatch(messages)

@@ -5,6 +5,8 @@
           ├── BrokerUnavailable      no broker answered at start     (also a ConnectionError)
           ├── UnknownTopic           a subscribed topic does not exist (also a LookupError)
           ├── ConsumerClosed         the consumer was closed or already ran (also a RuntimeError)
+          ├── DeadLetterFailed       a failed record could not be written to its dead-letter
+          │                          topic: it is not done, and the consumer stops with it
           └── OffsetStoreError       the offsets store (``PostgresOffsets``) could not do its job:
                │                     the record is not done, and the consumer stops with it
                ├── OffsetStoreUnavailable    the database could not be reached for longer than
@@ -29,6 +31,7 @@ from rxcoord import RxcoordError
 __all__ = [
     "BrokerUnavailable",
     "ConsumerClosed",
+    "DeadLetterFailed",
     "KafkaConsumerError",
     "OffsetStoreError",
     "OffsetStoreMisconfigured",
@@ -54,6 +57,17 @@ class UnknownTopic(KafkaConsumerError, LookupError):
 
 class ConsumerClosed(KafkaConsumerError, RuntimeError):
     """The consumer was closed, or ``run()`` was called a second time: create a new consumer."""
+
+
+class DeadLetterFailed(KafkaConsumerError):
+    """A record that failed its last attempt could not be written to the ``dead_letter`` topic.
+
+    The broker refused the delivery or did not acknowledge it in time (the producer's
+    ``message.timeout.ms``). The record is not done and not committed: ``run()`` raises this
+    error (as ``on_error="stop"`` would), and the next run consumes the record again. The
+    handler's exception is the ``__cause__``; the message names the record, the topic and the
+    broker's answer.
+    """
 
 
 class OffsetStoreError(KafkaConsumerError):

@@ -37,9 +37,10 @@ from confluent_kafka import Message
 from reactivex import Observable, abc
 from reactivex.disposable import Disposable
 
+from rxcoord._core.checks import check_count, check_interval
 from rxcoord._core.telemetry import traces_on
 
-from ._consumer import _check_config, _check_count, _check_seconds, _check_topics
+from ._consumer import _check_config, _check_topics
 from ._engine import Engine, complete
 from ._partitions import ACTIVE, PartitionState
 from ._record import Record
@@ -90,11 +91,11 @@ def kafka_records(
     conf = _check_config(config)
     names = _check_topics(topics)
     options: dict[str, Any] = {
-        "max_in_flight": _check_count(max_in_flight, "max_in_flight"),
-        "commit_interval": _check_seconds(commit_interval, "commit_interval"),
-        "revoke_timeout": _check_seconds(revoke_timeout, "revoke_timeout"),
-        "startup_timeout": _check_seconds(startup_timeout, "startup_timeout"),
-        "batch_size": _check_count(batch_size, "batch_size"),
+        "max_in_flight": check_count(max_in_flight, "max_in_flight", 1),
+        "commit_interval": check_interval(commit_interval, "commit_interval"),
+        "revoke_timeout": check_interval(revoke_timeout, "revoke_timeout"),
+        "startup_timeout": check_interval(startup_timeout, "startup_timeout"),
+        "batch_size": check_count(batch_size, "batch_size", 1),
     }
     if not isinstance(trace_record_keys, bool):
         raise TypeError(f"trace_record_keys must be True or False, not {trace_record_keys!r}")

@@ -31,6 +31,10 @@ class PartitionStats:
         in_flight: Records fetched and not yet passed by the completed prefix.
         lag: High watermark minus the committed (else committable) offset, when known.
         paused: Whether fetching is paused for backpressure.
+        oldest_in_progress: Seconds the oldest record of this partition still in progress has
+            been so, attempts and retry waits together (``None``: none in progress). Tracked
+            for records that ran on a worker, a loop or a scheduler, or failed, when
+            ``retry=`` or ``stall_after=`` is set; otherwise ``None``.
     """
 
     topic: str
@@ -42,6 +46,7 @@ class PartitionStats:
     in_flight: int
     lag: int | None
     paused: bool
+    oldest_in_progress: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,12 @@ class ConsumerStats:
         commits: Commit requests sent.
         inline: Records whose handler ran and ended on the poll thread (see ``inline=``).
         handovers: Inline calls that ran so long that the poll loop moved to a new thread.
+        retries: Attempts beyond the first, in total (``retry=``).
+        retrying: Records now waiting for their next attempt (each holds its key, no slot).
+        dead_lettered: Records that failed their last attempt and went to ``dead_letter``
+            (delivered to the topic and acknowledged, or the callable returned).
+        stalled_keys: Keys whose record in progress has been so for longer than
+            ``stall_after`` (``on_stall`` was called for it).
         partitions: One entry per assigned partition.
     """
 
@@ -84,4 +95,8 @@ class ConsumerStats:
     commits: int
     inline: int
     handovers: int
+    retries: int
+    retrying: int
+    dead_lettered: int
+    stalled_keys: int
     partitions: tuple[PartitionStats, ...]

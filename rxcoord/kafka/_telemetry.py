@@ -18,9 +18,11 @@ Outcomes of ``rxcoord.kafka.records`` (``rxcoord.outcome``, from the shared boun
 
 * ``completed``: the handler returned (its Observable completed, its future or awaitable
   resolved); the record counts as done and its offset may be committed.
-* ``failed``: the handler raised (or its result failed), counted whatever ``on_error`` did
-  next: ``"skip"`` and a callable that returns make the record done, ``"stop"`` stops the
-  consumer. A scheduler that ended the job with an error (a timeout, closing) counts here too.
+* ``failed``: the handler raised (or its result failed) on the record's last attempt, counted
+  whatever ``on_error`` or ``dead_letter`` did next: ``"skip"``, a callable that returns and a
+  delivered dead letter make the record done, ``"stop"`` stops the consumer. A scheduler that
+  ended the job with an error (a timeout, closing) counts here too. A record is counted once,
+  however many attempts it took; its span covers them all (each failed attempt an event).
 * ``cancelled``: the record held a slot but its result does not count, so the partition's next
   owner handles it again: its partition was revoked before the start gate let it run or before
   it ended, the consumer stopped without a drain, or ``offsets=`` fenced its transaction.
@@ -93,8 +95,11 @@ class ConsumerTelemetry:
         if not traces_on():
             return self.base.copy()
         earlier: RecordSpan | None = getattr(record, "_span", None)
-        if earlier is not None:  # a scheduler refused the earlier attempt (TooManyTasks)
-            earlier.ended("rejected")
+        if earlier is not None:
+            if earlier.again:  # the next attempt of a retried record: the same span
+                earlier.again = False
+                return earlier.context
+            earlier.ended("rejected")  # a scheduler refused the earlier attempt (TooManyTasks)
         opened = self.kafka.record_span(
             self.base,
             topic=record.topic,
@@ -129,6 +134,14 @@ class ConsumerTelemetry:
         span: RecordSpan | None = getattr(record, "_span", None)
         if span is not None:
             span.ended("completed")
+
+    @staticmethod
+    def retrying(record: Record, error: BaseException) -> None:
+        """An attempt of ``record`` failed and it waits for the next one: not counted yet; its
+        span (if any) goes on, with the failure as an event."""
+        span: RecordSpan | None = getattr(record, "_span", None)
+        if span is not None:
+            span.retrying(error)
 
     def ended(self, record: Record, error: BaseException | None, dropped: bool) -> None:
         """A record that held a slot ended (``KeyedConsumer._ended``'s arguments, before

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -361,3 +364,126 @@ def max_parallel_in_partition(runs: Iterable[Run]) -> int:
             now += delta
             best = max(best, now)
     return best
+
+
+# -- retries and dead letters -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One event of a handler's attempt: ``start``, ``ok`` or ``fail``."""
+
+    kind: str
+    key: str
+    offset: int
+    at: float
+
+
+class AttemptLog:
+    """What a handler did, attempt by attempt (thread-safe, in memory)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.events: list[Attempt] = []
+
+    def add(self, kind: str, record: Record) -> None:
+        key = (record.key or b"-").decode()
+        with self._lock:
+            self.events.append(Attempt(kind, key, record.offset, time.monotonic()))
+
+    def snapshot(self) -> list[Attempt]:
+        with self._lock:
+            return list(self.events)
+
+    def count(self, kind: str, key: str | None = None) -> int:
+        return sum(1 for e in self.snapshot() if e.kind == kind and key in (None, e.key))
+
+
+def check_retry_order(events: Iterable[Attempt], attempts: int) -> None:
+    """Per-key order over a handler's attempts (one consumer, one assignment).
+
+    * among successful handlings of a key, offsets strictly increase;
+    * no later offset of a key begins while an earlier one is in progress: between its first
+      start and its end (a success, or its ``attempts``-th failure) every event of the key is of
+      that record (its failed attempts, and the waits between them, included).
+    """
+    by_key: dict[str, list[Attempt]] = defaultdict(list)
+    for e in sorted(events, key=lambda e: e.at):
+        by_key[e.key].append(e)
+    for key, key_events in by_key.items():
+        succeeded = [e.offset for e in key_events if e.kind == "ok"]
+        assert succeeded == sorted(set(succeeded)), f"key {key}: successes out of order {succeeded}"
+        current: int | None = None  # the offset in progress (started, not yet ended)
+        failures = 0
+        for e in key_events:
+            if current is None:
+                assert e.kind == "start", f"key {key}: {e} outside an attempt"
+                current, failures = e.offset, 0
+            else:
+                assert e.offset == current, (
+                    f"key {key}: offset {e.offset} began while {current} was in progress "
+                    "(attempting or waiting for its next attempt)"
+                )
+            failures += e.kind == "fail"
+            if e.kind == "ok" or failures == attempts:
+                current = None
+
+
+def read_topic(bootstrap: str, topic: str, count: int, timeout: float = 30) -> list[Any]:
+    """The first ``count`` messages of ``topic`` (all partitions), read by a fresh group."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"reader-{time.monotonic_ns()}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "session.timeout.ms": SESSION_TIMEOUT_MS,
+        }
+    )
+    messages: list[Any] = []
+    try:
+        consumer.subscribe([topic])
+        deadline = time.monotonic() + timeout
+        while len(messages) < count and time.monotonic() < deadline:
+            for msg in consumer.consume(count - len(messages), 0.2):
+                if msg.error() is None:
+                    messages.append(msg)
+    finally:
+        consumer.close()
+    return messages
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Child:
+    """``python -m MODULE ARGS...`` as a real process in the repository's root, its output in
+    ``cluster.tmp / NAME.out``: terminated (SIGTERM, a drain), killed (``kill -9``) or
+    awaited, its exit code checked."""
+
+    def __init__(self, cluster: Cluster, name: str, module: str, *args: str) -> None:
+        self.name = name
+        self.output = cluster.tmp / f"{name}.out"
+        with self.output.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def terminate(self, timeout: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        rc = self.proc.returncode
+        assert rc == 0, f"{self.name} exited {rc}: {self.output.read_text()[-3000:]}"
+        return rc

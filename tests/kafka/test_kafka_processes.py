@@ -6,15 +6,10 @@ checker runs over their logs (a file per worker on this machine, one monotonic c
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from .support import (
+    Child,
     Cluster,
     Produced,
     all_done,
@@ -24,39 +19,16 @@ from .support import (
     wait_for,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 
+class Worker(Child):
+    """A ``tests/kafka/worker.py`` process."""
 
-class Worker:
     def __init__(self, cluster: Cluster, topic: str, group: str, name: str, sleep_ms: int,
                  concurrency: int = 16, max_in_flight: int = 10_000) -> None:  # fmt: skip
-        self.name = name
-        self.output = cluster.tmp / f"{name}.out"
-        with self.output.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.kafka.worker", cluster.bootstrap, topic, group,
-                 str(cluster.log_for(name)), name, str(sleep_ms), str(concurrency),
-                 str(max_in_flight)],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-
-    def terminate(self, timeout: float = 60) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.wait(timeout)
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        rc = self.proc.returncode
-        assert rc == 0, f"{self.name} exited {rc}: {self.output.read_text()[-3000:]}"
-        return rc
+        super().__init__(
+            cluster, name, "tests.kafka.worker", cluster.bootstrap, topic, group,
+            str(cluster.log_for(name)), name, str(sleep_ms), str(concurrency), str(max_in_flight),
+        )  # fmt: skip
 
 
 def _progress(cluster: Cluster, n: int) -> bool:

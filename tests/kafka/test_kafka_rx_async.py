@@ -31,7 +31,8 @@ from .support import (
 def test_exported_names() -> None:
     assert sorted(rxcoord.kafka.__all__) == [
         "BrokerUnavailable", "ConsumerClosed", "ConsumerState", "ConsumerStats",
-        "KafkaConsumerError", "KeyedConsumer", "OffsetStoreError", "OffsetStoreMisconfigured",
+        "DeadLetterFailed", "KafkaConsumerError", "KeyedConsumer", "OffsetStoreError",
+        "OffsetStoreMisconfigured",
         "OffsetStoreStats", "OffsetStoreUnavailable", "OnError", "PartitionStats",
         "PostgresOffsets", "Record", "UnknownTopic", "commit_records", "kafka_records",
     ]  # fmt: skip

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode
 from support.otel import Telemetry
 
-from rxcoord import TenantTaskCoordinator
+from rxcoord import Retry, TenantTaskCoordinator
 from rxcoord._core.telemetry import inject_headers
 from rxcoord.kafka import KeyedConsumer, Record, commit_records, kafka_records
 
@@ -333,6 +333,52 @@ def test_a_failed_record_has_an_error_status_and_its_exception(
     (event,) = [e for e in failed.events if e.name == "exception"]
     assert event.attributes is not None
     assert event.attributes["exception.message"] == "bad record"
+
+
+@pytest.mark.parametrize("shape", ["worker", "async"])
+def test_a_retried_record_is_one_span_and_one_count_a_dead_letter_a_failure(
+    otel: Telemetry, cluster: Cluster, shape: str
+) -> None:
+    # Offset 0 fails twice, then succeeds on its third attempt; offset 1 fails every attempt
+    # and is dead-lettered. One span and one count per record, whatever its attempts.
+    topic = cluster.topic(1)
+    produce_traced(cluster, topic, 2)
+    group = cluster.group(f"retried-{shape}")
+    attempts: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def body(record: Record) -> None:
+        with lock:
+            attempts[record.offset] = attempts.get(record.offset, 0) + 1
+            attempt = attempts[record.offset]
+        if record.offset == 1 or attempt < 3:
+            raise ConnectionError(f"attempt {attempt} of {record.offset}")
+
+    consumer = consumer_of(
+        shape,
+        cluster,
+        group,
+        topic,
+        body,
+        retry=Retry(attempts=3, backoff=0.01, jitter=0),
+        dead_letter=f"{topic}.DLT",
+    )
+    running = Running(consumer)
+    wait_for(lambda: consumer.stats().dead_lettered == 1, WAIT, "a dead letter delivered")
+    wait_for(lambda: len(otel.spans(f"{topic} process")) == 2, WAIT, "two record spans")
+    assert running.stop() is None
+    assert attempts == {0: 3, 1: 3}
+    ok, failed = by_offset(otel.spans(f"{topic} process"))
+    assert ok.status.status_code is StatusCode.UNSET
+    assert [e.name for e in ok.events] == ["rxcoord.record.retry"] * 2
+    assert failed.status.status_code is StatusCode.ERROR
+    assert [e.name for e in failed.events if e.name == "rxcoord.record.retry"] == [
+        "rxcoord.record.retry"
+    ] * 2
+    metrics = otel.collect()
+    mine = {"rxcoord.name": group, "messaging.destination.name": topic}
+    assert metrics.value("rxcoord.kafka.records", {**mine, "rxcoord.outcome": "completed"}) == 1
+    assert metrics.value("rxcoord.kafka.records", {**mine, "rxcoord.outcome": "failed"}) == 1
 
 
 def test_record_keys_are_on_spans_only_when_asked_for(otel: Telemetry, cluster: Cluster) -> None:
