@@ -88,7 +88,7 @@ from ._attempts import DeadLetters, Progress, producer_config
 from ._engine import Engine
 from ._errors import ConsumerClosed
 from ._offsets import Dropped, PostgresOffsets, Stopped
-from ._partitions import ACTIVE, REVOKED, PartitionState
+from ._partitions import ACTIVE, REVOKED, PartitionState, lag
 from ._record import Record
 from ._stats import ConsumerState, ConsumerStats, PartitionStats
 from ._telemetry import ConsumerTelemetry
@@ -575,7 +575,7 @@ class KeyedConsumer:
                     committable=committable if committable >= 0 else None,
                     committed=committed if committed >= 0 else None,
                     in_flight=held,
-                    lag=self._lag(s, committed if committed >= 0 else committable),
+                    lag=lag(s.high, committed if committed >= 0 else committable),
                     paused=paused,
                     oldest_in_progress=oldest.get(s),
                 )
@@ -1370,11 +1370,6 @@ class KeyedConsumer:
                 ready.wait()
                 self._loop = loop
             return self._loop
-
-    @staticmethod
-    def _lag(state: PartitionState, base: int) -> int | None:
-        high = state.high
-        return None if base < 0 or high < 0 else max(0, high - base)
 
 
 def _revoked(record: Record) -> bool:

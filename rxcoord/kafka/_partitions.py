@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from ._offsets import Claim
 
-__all__ = ["ACTIVE", "REVOKED", "REVOKING", "PartitionState"]
+__all__ = ["ACTIVE", "REVOKED", "REVOKING", "PartitionState", "lag"]
 
 ACTIVE: Final = 0  # owned: records start, completions count
 REVOKING: Final = 1  # being revoked: no record starts, completions still count (final commit)
@@ -89,11 +89,15 @@ class PartitionState:
     @property
     def lag(self) -> int | None:
         """The high watermark minus the committed (else committable) offset, when both known."""
-        base = self.committed if self.committed >= 0 else self.committable
-        high = self.high
-        return None if base < 0 or high < 0 else max(0, high - base)
+        return lag(self.high, self.committed if self.committed >= 0 else self.committable)
 
     @property
     def in_flight(self) -> int:
         """Records fetched and not yet passed by the completed prefix."""
         return len(self.order)
+
+
+def lag(high: int, base: int) -> int | None:
+    """Records between ``base`` (the committed, else committable offset) and the high
+    watermark ``high``; None while either is unknown (negative)."""
+    return None if base < 0 or high < 0 else max(0, high - base)
