@@ -101,7 +101,7 @@ _INLINE_BELOW: Final = 50e-6  # seconds: sync handlers faster than this on avera
 _EWMA: Final = 0.05
 _CLAMP: Final = 4 * _INLINE_BELOW  # a timed call counts at most this long in the average
 _STALL: Final = 0.01  # seconds between the watchdog's looks at the running inline call
-_RETRY_AFTER: Final = 0.05  # seconds before a record refused with TooManyTasks is offered again
+_REOFFER_AFTER: Final = 0.05  # seconds before a record refused with TooManyTasks is offered again
 _NOT_RUN: Final = object()  # a job of a revoked partition (or a stopped consumer) that never ran
 _LEAVE_GRACE: Final = 1.0  # seconds the final commit and the group leave get past the drain
 _POLL_WAIT: Final = 0.05  # seconds a poll waits for records (bounds close and commit latency)
@@ -408,8 +408,8 @@ class KeyedConsumer:
         # max_concurrency holding a slot (``active``), the others ready in FIFO order; written
         # under self._lock, read without it only by the poll thread's inline check.
         self._lanes: LaneTable[Hashable, Record] = LaneTable(self._max_concurrency)
-        self._retry: list[Record] = []  # refused by the scheduler (TooManyTasks): offer again
-        self._retry_at = 0.0
+        self._to_offer: list[Record] = []  # refused by the scheduler (TooManyTasks): offer again
+        self._offer_at = 0.0
         self._queued = 0  # records in the lanes that have not taken a slot yet
         self._completed = 0
         self._inline_completed = 0  # records that ran and ended on the poll thread
@@ -552,7 +552,7 @@ class KeyedConsumer:
                 self._failed,
                 self._dropped,
                 self._lanes.active,
-                self._queued + len(self._retry),
+                self._queued + len(self._to_offer),
                 longest,
                 len(self._lanes),
                 engine.rebalances,
@@ -670,8 +670,8 @@ class KeyedConsumer:
                 engine.housekeeping()
             while not self._stop.is_set() and engine.failure is None:
                 engine.poll_once(True, self._poll_timeout())
-                if self._retry and time.monotonic() >= self._retry_at:
-                    self._offer_retries()
+                if self._to_offer and time.monotonic() >= self._offer_at:
+                    self._offer_again()
                 self._serve_attempts()
             self._finish_run()
         except _Handover:
@@ -725,8 +725,8 @@ class KeyedConsumer:
                 if (self._lanes.active if not self._accepting else self.pending()) == 0:
                     break
             engine.poll_once(False, self._poll_timeout())
-            if self._retry:
-                self._offer_retries()
+            if self._to_offer:
+                self._offer_again()
             self._serve_attempts()
             if self._failure is not None and self._accepting:
                 with self._lock:
@@ -735,8 +735,8 @@ class KeyedConsumer:
         with self._lock:
             self._accepting = False
             self._drop_queued()
-        if self._retry:
-            self._offer_retries()
+        if self._to_offer:
+            self._offer_again()
         with self._lock:
             if self._lanes.active:
                 self._log.warning(
@@ -963,10 +963,10 @@ class KeyedConsumer:
             # are dropped, their timers cancelled: the next owner processes them again.
             starts = _attempts.drop_if(self, _revoked) if self._progress else []
         self._after(starts)
-        if self._retry:
+        if self._to_offer:
             with self._lock:
-                gone = [r for r in self._retry if r._state.phase != ACTIVE]
-                self._retry = [r for r in self._retry if r._state.phase == ACTIVE]
+                gone = [r for r in self._to_offer if r._state.phase != ACTIVE]
+                self._to_offer = [r for r in self._to_offer if r._state.phase == ACTIVE]
             for record in gone:
                 self._after(self._ended(record, None, dropped=True))
 
@@ -1214,7 +1214,7 @@ class KeyedConsumer:
 
     def _drop_queued(self) -> None:
         """Stopping: records that have not taken a slot never start (under the lock). Records
-        to be offered again hold slots; the poll loop's next ``_offer_retries`` drops them."""
+        to be offered again hold slots; the poll loop's next ``_offer_again`` drops them."""
         purged = self._lanes.purge(_always)
         self._dropped += purged
         self._queued -= purged
@@ -1335,13 +1335,13 @@ class KeyedConsumer:
         # The scheduler is full (its queue is shared with others): keep the slot and the lane,
         # and offer the record again shortly from the poll loop.
         with self._lock:
-            self._retry.append(record)
-            self._retry_at = time.monotonic() + _RETRY_AFTER
+            self._to_offer.append(record)
+            self._offer_at = time.monotonic() + _REOFFER_AFTER
 
-    def _offer_retries(self) -> None:
+    def _offer_again(self) -> None:
         with self._lock:
-            retry, self._retry = self._retry, []
-        for record in retry:
+            again, self._to_offer = self._to_offer, []
+        for record in again:
             if record._state.phase != ACTIVE or not self._accepting:
                 self._after(self._ended(record, None, dropped=True))
             else:
