@@ -76,7 +76,7 @@ def config(bootstrap: str) -> dict[str, Any]:
     }
 
 
-class _Clock:
+class Clock:
     """First-to-last handled record, counted from any thread."""
 
     def __init__(self, target: int) -> None:
@@ -105,7 +105,7 @@ def run_keyed(
     bootstrap: str, topic: str, records: int, handler: Callable[[], None], **options: Any
 ) -> float:
     """``KeyedConsumer(max_concurrency=64, **options)``: its default configuration otherwise."""
-    clock = _Clock(records)
+    clock = Clock(records)
 
     def handle(record: Record) -> None:
         handler()
@@ -146,7 +146,7 @@ def run_textbook(bootstrap: str, topic: str, records: int) -> float:
 
 def run_plain(bootstrap: str, topic: str, records: int, handler: Callable[[], None]) -> float:
     """A plain batch loop: consume(500), the same handler per record, commit the batch."""
-    clock = _Clock(records)
+    clock = Clock(records)
     consumer = Consumer({**config(bootstrap), "enable.auto.commit": False})
     consumer.subscribe([topic])
     try:

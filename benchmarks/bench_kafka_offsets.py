@@ -34,70 +34,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
+# The topic, the consumer's settings and the clock are bench_kafka's (same partitions, keys).
+from bench_kafka import KEYS, PARTITIONS, Clock, config, make_topic
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from rxcoord.kafka import KeyedConsumer, PostgresOffsets, Record
 from rxcoord.kafka._broker import broker
 
-PARTITIONS = 8
-KEYS = 1000
 CONCURRENCY = 32
 DEFAULT_URL = os.environ.get("RXCOORD_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-
-
-def make_topic(bootstrap: str, records: int) -> str:
-    name = f"bench-eo-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for future in admin.create_topics([NewTopic(name, PARTITIONS, 1)]).values():
-        future.result(15)
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
-    for i in range(records):
-        while True:
-            try:
-                producer.produce(name, key=str(i % KEYS).encode(), value=str(i).encode())
-                break
-            except BufferError:
-                producer.poll(0.05)
-    if producer.flush(30):
-        raise RuntimeError("produce did not finish")
-    return name
-
-
-def config(bootstrap: str) -> dict[str, Any]:
-    return {
-        "bootstrap.servers": bootstrap,
-        "group.id": f"bench-eo-{uuid.uuid4().hex[:8]}",
-        "auto.offset.reset": "earliest",
-        "session.timeout.ms": 6000,
-        "heartbeat.interval.ms": 500,
-    }
-
-
-class _Clock:
-    """First-to-last handled record, counted from any thread."""
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.count = 0
-        self.first = 0.0
-        self.last = 0.0
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-
-    def tick(self) -> None:
-        with self.lock:
-            if self.count == 0:
-                self.first = time.perf_counter()
-            self.count += 1
-            if self.count == self.target:
-                self.last = time.perf_counter()
-                self.done.set()
-
-    @property
-    def rate(self) -> float:
-        return self.target / (self.last - self.first)
 
 
 @contextmanager
@@ -123,7 +68,7 @@ def _row(record: Record) -> tuple[Any, ...]:
     return (record.key, record.value, record.partition, record.offset)
 
 
-def _run(consumer: KeyedConsumer, clock: _Clock, records: int) -> float:
+def _run(consumer: KeyedConsumer, clock: Clock, records: int) -> float:
     thread = threading.Thread(target=consumer.run)
     thread.start()
     try:
@@ -137,7 +82,7 @@ def _run(consumer: KeyedConsumer, clock: _Clock, records: int) -> float:
 
 def run_exactly_once(bootstrap: str, url: str, topic: str, records: int) -> float:
     """``KeyedConsumer(offsets=PostgresOffsets(url), max_concurrency=32)``."""
-    clock = _Clock(records)
+    clock = Clock(records)
     offsets_table = f"bench_offsets_{uuid.uuid4().hex[:8]}"
     with effects_table(url) as table:
         sql = _insert(table)
@@ -162,7 +107,7 @@ def run_at_least_once(
     """``KeyedConsumer(max_concurrency=32)``, the same INSERT on a pool of 32 connections."""
     from psycopg_pool import ConnectionPool
 
-    clock = _Clock(records)
+    clock = Clock(records)
     with (
         effects_table(url) as table,
         ConnectionPool(
