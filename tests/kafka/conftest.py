@@ -6,7 +6,7 @@ and stopped at the end. ``RXCOORD_KAFKA_BOOTSTRAP=host:port`` points the suite a
 cluster instead. Without a broker the suite skips, except under ``RXCOORD_REQUIRE_BACKENDS=1``
 (CI), where it fails.
 
-The fleet tests also use a real Redis (``fleet_redis_url``: the lease suite's throwaway server,
+The fleet tests also use a real Redis (``redis_url``: the whole suite's throwaway server,
 or ``RXCOORD_REDIS_URL``) for their run log and their leases.
 
 Each test gets topics and a consumer group of its own, so tests never see each other's records.
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from support.servers import start_redis  # a throwaway redis-server
 
 from rxcoord.kafka._broker import BOOTSTRAP_ENV, NoBroker, tansu
 
@@ -54,22 +53,6 @@ def kafka_bootstrap() -> Iterator[str]:
         except NoBroker as exc:
             broker_unavailable(str(exc))
         yield bootstrap
-
-
-@pytest.fixture(scope="session")
-def fleet_redis_url() -> Iterator[str]:
-    """A real Redis for the fleet tests' run log and leases: RXCOORD_REDIS_URL, or a throwaway
-    redis-server on a free port (skips, or fails under RXCOORD_REQUIRE_BACKENDS=1, without
-    one)."""
-    given = os.environ.get("RXCOORD_REDIS_URL")
-    if given:
-        yield given
-        return
-    server = start_redis()
-    try:
-        yield server.url
-    finally:
-        server.remove()
 
 
 @pytest.fixture

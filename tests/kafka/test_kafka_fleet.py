@@ -149,9 +149,9 @@ def _start_a_then_b(fleet: Fleet, leases: bool) -> None:
 
 @pytest.mark.parametrize("a_ends", ["released", "kill -9"])
 def test_leases_keep_a_key_exclusive_past_revoke_timeout(
-    cluster: Cluster, fleet_redis_url: str, a_ends: str
+    cluster: Cluster, redis_url: str, a_ends: str
 ) -> None:
-    fleet = Fleet(cluster, fleet_redis_url)
+    fleet = Fleet(cluster, redis_url)
     try:
         _start_a_then_b(fleet, leases=True)
         # The rebalance moves partitions to B after A's revoke waited revoke_timeout in vain;
@@ -193,9 +193,9 @@ def test_leases_keep_a_key_exclusive_past_revoke_timeout(
 
 
 def test_without_leases_a_run_past_revoke_timeout_overlaps_the_new_owners(
-    cluster: Cluster, fleet_redis_url: str
+    cluster: Cluster, redis_url: str
 ) -> None:
-    fleet = Fleet(cluster, fleet_redis_url)
+    fleet = Fleet(cluster, redis_url)
     try:
         _start_a_then_b(fleet, leases=False)
 

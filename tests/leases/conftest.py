@@ -33,7 +33,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from support.servers import ThrowawayRedis, backend_unavailable, start_redis
+from support.servers import backend_unavailable
 
 from rxcoord.leases import (
     LeaseProvider,
@@ -64,29 +64,6 @@ def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, outcome
-
-
-# -- Redis ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[ThrowawayRedis]:
-    """A Redis server this session may stop and start (store-restart tests)."""
-    server = start_redis()
-    try:
-        yield server
-    finally:
-        server.remove()
-
-
-@pytest.fixture(scope="session")
-def redis_url(request: pytest.FixtureRequest) -> str:
-    """RXCOORD_REDIS_URL, or the throwaway server's URL."""
-    url = os.environ.get("RXCOORD_REDIS_URL")
-    if url:
-        return url
-    server: ThrowawayRedis = request.getfixturevalue("redis_server")
-    return server.url
 
 
 # -- Redis Cluster --------------------------------------------------------------------------

@@ -215,3 +215,23 @@ def postgres_url(request: pytest.FixtureRequest) -> str:
         return url
     server: ThrowawayPostgres = request.getfixturevalue("postgres_server")
     return server.url
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[ThrowawayRedis]:
+    """A Redis server this session may stop and start (store-restart tests)."""
+    server = start_redis()
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """RXCOORD_REDIS_URL, or the throwaway server's URL."""
+    url = os.environ.get("RXCOORD_REDIS_URL")
+    if url:
+        return url
+    server: ThrowawayRedis = request.getfixturevalue("redis_server")
+    return server.url
