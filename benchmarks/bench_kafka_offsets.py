@@ -34,8 +34,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-# The topic, the consumer's settings and the clock are bench_kafka's (same partitions, keys).
+# The topic, the consumer's settings and the clock are bench_kafka's (same partitions, keys);
+# the PostgreSQL check is bench_leases'.
 from bench_kafka import KEYS, PARTITIONS, Clock, config, make_topic
+from bench_leases import reachable_postgres
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from rxcoord.kafka import KeyedConsumer, PostgresOffsets, Record
@@ -187,17 +189,6 @@ def _drop(url: str, table: str) -> None:
 
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"DROP TABLE IF EXISTS {table}")
-
-
-def reachable_postgres(url: str) -> str | None:
-    import psycopg
-
-    try:
-        with psycopg.connect(url, connect_timeout=2) as conn:
-            conn.execute("SELECT 1")
-    except psycopg.Error as exc:
-        return str(exc).strip()
-    return None
 
 
 def bench_rows(
