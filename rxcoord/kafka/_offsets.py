@@ -292,7 +292,7 @@ class PostgresOffsets:
     record done without its effects). Each record's effects commit exactly once, in per-key
     order, across crashes, rebalances, restarts and duplicate deliveries; an assignment that
     lost its partition (a member frozen past the session timeout, a run past
-    ``revoke_timeout``) commits nothing more. See ``docs/guide/kafka-exactly-once.md``.
+    ``revoke_timeout``) commits nothing more. See ``docs/guides/kafka-exactly-once.md``.
 
     The handler must not commit or roll back ``tx`` itself, nor return before its work is
     done (no Observable, future or awaitable to finish later).
