@@ -120,6 +120,8 @@ _INTRANS: Final = 2
 _INERROR: Final = 3
 _COMMAND_OK: Final = 1  # psycopg.pq.ExecStatus.COMMAND_OK and TUPLES_OK
 _TUPLES_OK: Final = 2
+_SQLSTATE: Final = 67  # psycopg.pq.DiagnosticField.SQLSTATE
+_DUPLICATE_PREPARED: Final = b"42P05"  # duplicate_prepared_statement
 # SQLSTATEs after which a record's transaction is tried again: the connection or the server
 # went away (08, 57P01-57P03, too many connections 53300, idle-in-transaction timeout 25P03),
 # or PostgreSQL asks for a retry (serialization failure, deadlock).
@@ -295,7 +297,10 @@ class PostgresOffsets:
     ``revoke_timeout``) commits nothing more. See ``docs/guides/kafka-exactly-once.md``.
 
     The handler must not commit or roll back ``tx`` itself, nor return before its work is
-    done (no Observable, future or awaitable to finish later).
+    done (no Observable, future or awaitable to finish later). ``tx`` is lent in autocommit
+    mode under the store's own ``BEGIN`` (a connection of the application's pool goes back
+    as it was): psycopg then never begins a transaction of its own, so a handler that ended
+    the transaction is caught even if it ran statements after that (the consumer stops).
 
     Args:
         url_or_pool: A libpq connection string or URL, or a psycopg-pool pool of your own
@@ -805,7 +810,10 @@ class PostgresOffsets:
             conn = conns.get()
         except self._psycopg.Error as exc:  # PoolTimeout: no connection could be made
             raise _Retry(exc) from exc
+        lent = not conn.autocommit  # an application's pool: autocommit for this transaction
         try:
+            if lent:
+                conn.autocommit = True
             pgconn = conn.pgconn
             encoding, begin = self._ready.get(conn) or self._set_up_sync(conn)
             self._own(conn, pgconn.exec_(begin))
@@ -836,10 +844,15 @@ class PostgresOffsets:
             # libpq could not even send one of our statements: the connection is gone.
             raise _Retry(exc) from exc
         finally:
+            if lent:
+                try:
+                    conn.autocommit = False
+                except self._psycopg.Error:
+                    conn.close()  # broken, or not idle: the pool must not lend it out again
             conns.put(conn)
 
     def _set_up_sync(self, conn: psycopg.Connection[Any]) -> tuple[str, bytes]:
-        self._own(conn, conn.pgconn.prepare(self._mark_name, self._sql_mark))
+        self._own_prepare(conn, conn.pgconn.prepare(self._mark_name, self._sql_mark))
         ready = self._ready[conn] = (conn.info.encoding, self._begin_for(conn))
         return ready
 
@@ -882,7 +895,10 @@ class PostgresOffsets:
         options = f"{options} -c idle_in_transaction_session_timeout={self._idle_ms}".strip()
         return {
             **self._connect_kwargs,
-            "autocommit": False,
+            # The store begins each record's transaction itself; in autocommit mode psycopg
+            # never begins one of its own, so a handler that ends tx's transaction is seen
+            # (see _after_handler) even if it runs statements after that.
+            "autocommit": True,
             "options": options,
             "application_name": "rxcoord-kafka-offsets",
         }
@@ -928,12 +944,15 @@ class PostgresOffsets:
             conn = await pool.getconn(self._timeout)
         except self._psycopg.Error as exc:
             raise _Retry(exc) from exc
+        lent = not conn.autocommit  # as in _transaction_sync
         try:
+            if lent:
+                await conn.set_autocommit(True)
             pgconn = conn.pgconn
             ready = self._ready.get(conn)
             if ready is None:
                 pgconn.send_prepare(self._mark_name, self._sql_mark)
-                self._own(conn, (await conn.wait(execute(pgconn)))[-1])
+                self._own_prepare(conn, (await conn.wait(execute(pgconn)))[-1])
                 ready = self._ready[conn] = (conn.info.encoding, self._begin_for(conn))
             encoding, begin = ready
             pgconn.send_query(begin)
@@ -966,6 +985,11 @@ class PostgresOffsets:
             # A lost connection while we waited for one of our own statements.
             raise _Retry(exc) from exc
         finally:
+            if lent:
+                try:
+                    await conn.set_autocommit(False)
+                except self._psycopg.Error:
+                    await conn.close()  # as in _transaction_sync
             await pool.putconn(conn)
 
     async def _rollback_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -1035,6 +1059,17 @@ class PostgresOffsets:
             raise _Retry(error) from error
         raise Stopped(self._bookkeeping_error(error, "run a record's transaction"))
 
+    def _own_prepare(self, conn: Any, result: Any) -> None:
+        """Check the mark's ``PREPARE`` on ``conn`` (as :meth:`_own`).
+
+        Already prepared is as good: the statement's name is a hash of its SQL, so another
+        store on the same table that shares the application's pool (a consumer started again
+        in the same process) prepared this very statement on the connection.
+        """
+        if result.status != _COMMAND_OK and result.error_field(_SQLSTATE) == _DUPLICATE_PREPARED:
+            return
+        self._own(conn, result)
+
     def _error_of(self, conn: Any, result: Any) -> Exception:
         from psycopg import errors
 
@@ -1072,12 +1107,16 @@ class PostgresOffsets:
                 "a statement of the handler failed and the handler went on (it caught the "
                 "error): PostgreSQL has aborted the transaction, so it was rolled back"
             )
+        # tx is in autocommit mode under the store's own BEGIN: after a commit or rollback of
+        # the handler's, nothing begins another transaction, so the status stays idle here
+        # whatever the handler ran next (each later statement committed on its own).
         raise Stopped(
             OffsetStoreError(
                 "the handler ended tx's transaction itself (tx.commit() or tx.rollback(), or "
-                "a COMMIT statement): its effects may be committed without the record's mark, "
-                "so the consumer stops; let the store commit (return from the handler) or "
-                "raise to roll back"
+                "a COMMIT statement): its effects (and any statement after that, each "
+                "committed on its own) may be committed without the record's mark, so the "
+                "consumer stops; let the store commit (return from the handler) or raise to "
+                "roll back"
             )
         )
 

@@ -425,6 +425,7 @@ def test_a_pool_of_your_own(cluster: Cluster, effects: Effects) -> None:
         assert not pool.closed  # the application's pool stays open
         assert pool.get_stats()["pool_available"] == pool.get_stats()["pool_size"]  # all back
         with pool.connection() as conn:
+            assert not conn.autocommit  # lent in autocommit mode, given back as it was
             setting = conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()
         assert setting is not None
         assert setting[0] == "0"  # the session's own setting, untouched
@@ -538,19 +539,81 @@ def test_a_database_that_is_down_fails_records_never_marks_them_done(
     check_exactly_once(produced, effects.rows())
 
 
-def test_a_handler_that_commits_tx_itself_stops_the_consumer(
-    cluster: Cluster, effects: Effects
+@pytest.mark.parametrize(
+    "ending",
+    [
+        "commit",
+        "commit, then a statement",
+        "COMMIT, then a statement",
+        "rollback, then a statement",
+    ],
+)
+def test_a_handler_that_ends_tx_itself_stops_the_consumer(
+    cluster: Cluster, effects: Effects, ending: str
 ) -> None:
+    """Also when the handler goes on after ending the transaction: its later statements must
+    not open a transaction of their own for the record's mark to commit with."""
     topic = cluster.topic(1)
     cluster.produce(topic, keyed_items(5, 1))
     group = cluster.group()
 
     def handle(record: Record, tx: Any) -> None:
-        tx.commit()
+        if ending.startswith("commit"):
+            tx.commit()
+        elif ending.startswith("COMMIT"):
+            tx.execute("COMMIT")
+        else:
+            tx.rollback()
+        if ending.endswith("statement"):
+            tx.execute("SELECT 1")
 
-    consumer = _consumer(cluster, topic, group, handle, _offsets(effects), on_error="skip")
+    offsets = _offsets(effects)
+    consumer = _consumer(cluster, topic, group, handle, offsets, on_error="skip")
     with pytest.raises(OffsetStoreError, match=r"ended tx's transaction itself"):
         consumer.run()
+    assert offsets.stats().committed == 0  # the record's mark never committed
+
+
+async def test_an_async_pool_of_your_own_lends_its_connections_unchanged(
+    cluster: Cluster, effects: Effects
+) -> None:
+    """An async handler on the application's ``AsyncConnectionPool``: each record applied
+    once, and the connections go back with the pool's own settings; a handler that commits
+    and goes on stops the consumer, its record not marked."""
+    topic = cluster.topic(2)
+    produced = cluster.produce(topic, keyed_items(100, 10))
+    sql = (
+        f"INSERT INTO {effects.table} (key, seq, worker, part, kafka_offset) "
+        "VALUES (%s, %s, %s, %s, %s)"
+    )
+
+    async def handle(record: Record, tx: Any) -> None:
+        key, seq = parse(record)
+        await tx.execute(sql, (key, seq, "async", record.partition, record.offset))
+
+    async with AsyncConnectionPool(effects.url, min_size=1, max_size=4, open=False) as pool:
+        offsets = PostgresOffsets(pool, table=effects.offsets_table)
+        consumer = _consumer(cluster, topic, cluster.group(), handle, offsets)
+        task = asyncio.create_task(consumer.run_async())
+        await asyncio.to_thread(wait_for, lambda: _applied(effects, produced), 60, "all applied")
+        await consumer.aclose()
+        await task
+        assert offsets.stats().committed == 100
+        async with pool.connection() as conn:
+            assert not conn.autocommit  # lent in autocommit mode, given back as it was
+
+        async def commits(record: Record, tx: Any) -> None:
+            await tx.commit()
+            await tx.execute("SELECT 1")
+
+        again = PostgresOffsets(pool, table=effects.offsets_table)
+        late = cluster.topic(1)
+        cluster.produce(late, keyed_items(1, 1))
+        stopping = _consumer(cluster, late, cluster.group(), commits, again, on_error="skip")
+        with pytest.raises(OffsetStoreError, match=r"ended tx's transaction itself"):
+            await stopping.run_async()
+        assert again.stats().committed == 0
+    check_exactly_once(produced, effects.rows())
 
 
 def test_bad_input_fails_at_the_call(effects: Effects) -> None:
