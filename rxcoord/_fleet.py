@@ -494,6 +494,14 @@ class FleetAdmission:
             except (LeaseStoreUnavailable, LeaseStoreMisconfigured) as exc:
                 self._refuse(lane, exc)
                 continue
+            except Exception as exc:
+                # Not a store error the backend mapped (a bug, a driver error it let through):
+                # the same refusal, or the lane stays busy and its jobs wait forever.
+                logger.opt(exception=True).error(
+                    "rxcoord fleet {!r}: a permit step failed unexpectedly", self._name
+                )
+                self._refuse(lane, exc)
+                continue
             received = monotonic()
             deadline = sent + self._most
             full = reply.running >= self._limit
@@ -597,8 +605,9 @@ class FleetAdmission:
             pairs = [(permit.token, permit.tenant) for permit in batch]
             try:
                 held = self._provider._permits_release(self._name, pairs)
-            except (LeaseStoreUnavailable, LeaseStoreMisconfigured):
-                # The permits expire by themselves; nothing else to do about them.
+            except Exception:
+                # A store error (or one the backend did not map): the permits expire by
+                # themselves; nothing else to do about them (the next batch goes on).
                 logger.opt(exception=True).warning(
                     "rxcoord fleet {!r}: releasing {} permits failed", self._name, len(batch)
                 )

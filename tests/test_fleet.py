@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from reactivex import operators as ops
 from support.execution import WAIT, Gate, Outcome
 from support.stores import FakeClock
 
@@ -317,25 +318,39 @@ def test_a_permit_reclaimed_while_its_job_runs_fails_the_job_with_lease_lost(
 
 
 class FlakyLeases(MemoryLeases):
-    """A memory provider whose permit steps fail while ``down`` is set (a store outage)."""
+    """A memory provider whose permit steps raise ``failure`` while it is set (a store outage,
+    or an error the backend did not map)."""
 
-    down = False
+    failure: Exception | None = None
 
     def _permits_acquire(self, group: str, *args: Any, **rates: Any) -> PermitReply:
-        if self.down:
-            raise LeaseStoreUnavailable("the store is down (test)")
+        if self.failure is not None:
+            raise self.failure
         return super()._permits_acquire(group, *args, **rates)
 
+    def _permits_release(self, group: str, permits: Any, **options: Any) -> int:
+        if self.failure is not None:
+            raise self.failure
+        return super()._permits_release(group, permits, **options)
 
-def test_new_jobs_fail_with_store_unavailable_while_the_store_is_down() -> None:
+
+@pytest.mark.parametrize(
+    "failure",
+    [LeaseStoreUnavailable("the store is down (test)"), RuntimeError("a bug in a backend (test)")],
+    ids=["store-down", "unexpected-error"],
+)
+def test_new_jobs_fail_with_the_store_error_while_the_store_fails(failure: Exception) -> None:
+    """Whatever a permit step raises fails the jobs waiting for it (an error the backend did
+    not map used to leave the tenant's lane busy for good: its jobs waited forever); the next
+    jobs, once the store works again, run."""
     provider = FlakyLeases()
     coordinator = TenantTaskCoordinator(name="down", max_concurrency=2, fleet=provider)
     assert coordinator.execute(lambda: "up").run() == "up"
-    provider.down = True
-    with pytest.raises(LeaseStoreUnavailable):
-        coordinator.execute(lambda: "never").run()
-    provider.down = False
-    assert coordinator.execute(lambda: "up again").run() == "up again"
+    provider.failure = failure
+    with pytest.raises(type(failure)):
+        coordinator.execute(lambda: "never").pipe(ops.timeout(WAIT)).run()
+    provider.failure = None
+    assert coordinator.execute(lambda: "up again").pipe(ops.timeout(WAIT)).run() == "up again"
     stats = coordinator.stats()
     assert stats.failed == 1
     assert stats.running == 0
