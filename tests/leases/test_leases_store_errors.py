@@ -217,6 +217,21 @@ def test_a_redis_database_the_server_does_not_have_is_a_configuration_error(
         lease.release()
 
 
+def test_a_redis_without_the_commands_the_leases_need_is_a_configuration_error() -> None:
+    # A managed Redis may rename or disable commands (rename-command): the reply is "ERR
+    # unknown command", which redis-py reports without its "ERR " (it read as an outage).
+    disabled = ("--rename-command", "EVALSHA", "", "--rename-command", "EVAL", "")
+    server = start_redis(options=disabled)
+    try:
+        with RedisLeases(server.url, timeout=TIMEOUT) as leases:
+            error, elapsed = _refused(leases)
+    finally:
+        server.remove()
+    assert "unknown command" in str(error)
+    assert "rename-command" in str(error)  # the fix
+    assert elapsed < WELL_BEFORE_THE_TIMEOUT
+
+
 def test_a_cluster_node_given_to_a_plain_provider_says_so(redis_cluster_url: str) -> None:
     with RedisLeases(redis_cluster_url, timeout=TIMEOUT, prefix="plain:") as leases:
         error, elapsed = _refused(leases)  # the sequence key is in another slot than the name

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -62,9 +62,12 @@ class ThrowawayRedis:
     file before acknowledging it (``appendfsync always``).
     """
 
-    def __init__(self, binary: str, *, persistent: bool = False) -> None:
+    def __init__(
+        self, binary: str, *, persistent: bool = False, options: Sequence[str] = ()
+    ) -> None:
         self.binary = binary
         self.persistent = persistent
+        self.options = tuple(options)  # more redis-server command-line options
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="rxcoord-redis-"))
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -76,7 +79,7 @@ class ThrowawayRedis:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             args += ["--appendonly", "no"]
-        args += ["--dir", str(self.dir), "--daemonize", "no"]
+        args += ["--dir", str(self.dir), "--daemonize", "no", *self.options]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not self._pong():
@@ -103,15 +106,18 @@ class ThrowawayRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_redis(*, persistent: bool = False) -> ThrowawayRedis:
-    """A throwaway redis-server on a free port, started; skips (or fails in CI) without one."""
+def start_redis(*, persistent: bool = False, options: Sequence[str] = ()) -> ThrowawayRedis:
+    """A throwaway redis-server on a free port, started; skips (or fails in CI) without one.
+
+    ``options``: more redis-server command-line options (``"--rename-command", "EVAL", ""``).
+    """
     binary = shutil.which("redis-server")
     if binary is None:
         backend_unavailable(
             "redis-server not found: install the Debian package 'redis-server' "
             "(apt-get install redis-server)"
         )
-    server = ThrowawayRedis(binary, persistent=persistent)
+    server = ThrowawayRedis(binary, persistent=persistent, options=options)
     server.start()
     return server
 

@@ -568,7 +568,10 @@ return missing
 
 _SLOTS: Final = 16384
 # Replies no retry will fix: credentials, ACLs, a cluster node given to a plain provider (or
-# keys the cluster cannot run together), a server without scripting.
+# keys the cluster cannot run together), a command the server lacks (no scripting, or renamed
+# or disabled), a database it does not have. Without their "ERR ", which redis-py drops
+# (``_error`` drops it too, for clients that keep it); redis-py raises AuthenticationError for
+# the "ERR" replies about passwords.
 _PERMANENT_REPLIES: Final = (
     "WRONGPASS",
     "NOAUTH",
@@ -576,13 +579,8 @@ _PERMANENT_REPLIES: Final = (
     "MOVED",
     "ASK ",
     "CROSSSLOT",
-    "ERR unknown command",
-    "ERR AUTH",
-    "ERR invalid password",
-    "ERR Client sent AUTH",
-    # SELECT of a database the server does not have (redis-py drops the "ERR " of the reply).
+    "unknown command",
     "DB index is out of range",
-    "ERR DB index is out of range",
 )
 _slot_tags: list[str] | None = None
 
@@ -799,6 +797,7 @@ class RedisLeases(LeaseProvider):
         """Map a redis-py error: an outage, or a refusal that no retry will fix."""
         exceptions = self._redis.exceptions
         text = str(exc)
+        reply = text.lstrip().removeprefix("ERR ")
         cluster_mismatch = isinstance(
             exc, exceptions.ClusterCrossSlotError | exceptions.MovedError | exceptions.AskError
         )
@@ -810,10 +809,7 @@ class RedisLeases(LeaseProvider):
                 | exceptions.NoPermissionError,
             )
             or cluster_mismatch
-            or (
-                isinstance(exc, exceptions.ResponseError)
-                and text.lstrip().startswith(_PERMANENT_REPLIES)
-            )
+            or (isinstance(exc, exceptions.ResponseError) and reply.startswith(_PERMANENT_REPLIES))
         )
         if not permanent:
             return LeaseStoreUnavailable(
@@ -833,8 +829,12 @@ class RedisLeases(LeaseProvider):
                 "(redis://host:port/0; the server's 'databases' setting, 16 by default, bounds "
                 "the index), or raise 'databases' in its configuration"
             )
-        elif text.startswith("ERR unknown command"):
-            fix = "the server lacks Lua scripting (EVALSHA): use Redis 6.2 or later"
+        elif reply.startswith("unknown command"):
+            fix = (
+                "the server refuses a command the leases need (EVAL, EVALSHA, PUBLISH, "
+                "SUBSCRIBE): it lacks Lua scripting (use Redis 6.2 or later) or the command was "
+                "renamed or disabled (rename-command in its configuration)"
+            )
         else:
             fix = (
                 "fix the user name or password in the URL (redis://user:password@host:port); "
