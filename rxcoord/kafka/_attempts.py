@@ -4,11 +4,12 @@ The coordinator's retry (``rxcoord._coordinator._attempts``), for records. A rec
 handler failed with an exception its ``Retry`` policy retries gives its slot back but keeps its
 key (``LaneTable.suspend``): later records of the key stay queued behind it, and its partition's
 commit point stays below it (its offset is not done). It holds no thread: a timer on rxcoord's
-shared timer thread (``rxcoord._core.timer``) marks it *due*, and the poll thread, which polls
-more often while records wait (see ``KeyedConsumer._poll_timeout``), puts it back in the lanes
-(``LaneTable.resume``), where it queues for a slot like any ready record. Resuming on the poll
-thread, not on the timer's, keeps the poll thread the only one that takes a slot without giving
-one back, which the dispatcher's lock-free inline check relies on (``_enter_locked``).
+shared timer thread (``rxcoord._core.timer``) marks it *due*, and the poll thread, whose polls
+end when a wait does (:func:`until_next_due`, read by ``KeyedConsumer._poll_timeout``), puts it
+back in the lanes (``LaneTable.resume``), where it queues for a slot like any ready record.
+Resuming on the poll thread, not on the timer's, keeps the poll thread the only one that takes
+a slot without giving one back, which the dispatcher's lock-free inline check relies on
+(``_enter_locked``).
 
 After the last attempt, with ``dead_letter="topic"``, the record is produced to that topic and
 stays in progress the same way (its key held, no slot) until the broker acknowledged the
@@ -32,6 +33,7 @@ Each function takes the consumer first, like the coordinator's. State lives in
 from __future__ import annotations
 
 import functools
+import heapq
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
@@ -60,6 +62,9 @@ READY: Final = 2
 DELIVERING: Final = 3
 
 _HELD: Final = (WAITING, DELIVERING)
+# A retry wait that ended this long ago was served (its timer marked the record due and the
+# poll thread resumed it) or its record was dropped: its end is forgotten.
+_SERVED_AFTER: Final = 0.05
 
 
 class Progress:
@@ -161,6 +166,7 @@ def _wait(
             c._telemetry.retrying(record, error)
             # Fires on the timer thread, which waits for this lock: p.timer is set by then.
             p.timer = call_later(wait, functools.partial(_due, c, record))
+            heapq.heappush(c._wait_ends, time.monotonic() + wait)
     if successors is None:
         return c._ended(record, None, dropped=True, started=True)
     assert c._retry_policy is not None
@@ -183,6 +189,24 @@ def _due(c: KeyedConsumer, record: Record) -> None:
             return  # dropped meanwhile
         p.timer = None
         c._due.append(record)
+
+
+def until_next_due(c: KeyedConsumer) -> float | None:
+    """Seconds until the next retry wait ends, 0 for one that ended just now (its timer may not
+    have marked the record due yet); None when no record waits for its next attempt.
+
+    Bounds the poll thread's wait for records, so that it resumes a record when its wait ends
+    and polls no more often than usual while records wait.
+    """
+    with c._lock:
+        ends = c._wait_ends
+        if not c._retrying:
+            ends.clear()
+            return None
+        now = time.monotonic()
+        while ends and ends[0] < now - _SERVED_AFTER:
+            heapq.heappop(ends)
+        return max(0.0, ends[0] - now) if ends else None
 
 
 def resume_due(c: KeyedConsumer) -> None:

@@ -105,7 +105,7 @@ _REOFFER_AFTER: Final = 0.05  # seconds before a record refused with TooManyTask
 _NOT_RUN: Final = object()  # a job of a revoked partition (or a stopped consumer) that never ran
 _LEAVE_GRACE: Final = 1.0  # seconds the final commit and the group leave get past the drain
 _POLL_WAIT: Final = 0.05  # seconds a poll waits for records (bounds close and commit latency)
-_TICK: Final = 0.002  # ... while records wait for a retry or a delivery the poll thread serves
+_TICK: Final = 0.002  # ... once a retry wait ended, and while dead letters are being delivered
 
 
 class _Handover(Exception):
@@ -396,6 +396,7 @@ class KeyedConsumer:
         self._due: list[Record] = []  # records whose retry wait ended: the poll thread resumes
         self._retries = 0
         self._retrying = 0  # records waiting for their next attempt
+        self._wait_ends: list[float] = []  # a heap: when their waits end (time.monotonic())
         self._delivering = 0  # records waiting for their dead letter's delivery report
         self._dead_lettered = 0
         self._engine.processor = self
@@ -745,9 +746,15 @@ class KeyedConsumer:
                 )
 
     def _poll_timeout(self) -> float:
-        """How long a poll may wait for records: shorter while records wait for their next
-        attempt or their dead letter's delivery, whose ends the poll thread serves."""
-        return _TICK if self._retrying or self._delivering else _POLL_WAIT
+        """How long a poll may wait for records: until the next retry wait ends (the poll
+        thread resumes its record then), and only briefly while dead letters are being
+        delivered (the poll thread serves their reports)."""
+        if self._delivering:
+            return _TICK
+        if not self._retrying:  # (read without the lock: the next poll sees a new wait)
+            return _POLL_WAIT
+        due_in = _attempts.until_next_due(self)
+        return _POLL_WAIT if due_in is None else min(_POLL_WAIT, max(_TICK, due_in))
 
     def _serve_attempts(self) -> None:
         """Resume records whose retry wait ended; serve dead-letter delivery reports."""

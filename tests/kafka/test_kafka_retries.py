@@ -134,6 +134,42 @@ def test_a_retry_wait_gives_the_slot_and_the_thread_back(
     check_retry_order(events, attempts=2)
 
 
+def test_a_retry_wait_keeps_the_poll_thread_at_its_usual_pace(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a record waits for its next attempt, the poll thread polls as it does with
+    nothing to do (a poll ends when the wait does), not every few milliseconds."""
+    topic = cluster.topic(1)
+    cluster.produce(topic, [("a", 0)])
+    log = AttemptLog()
+    consumer = KeyedConsumer(
+        cluster.config(cluster.group()), [topic],
+        flaky(log, lambda record, attempt: attempt == 1),
+        retry=Retry(attempts=2, backoff=1.5, jitter=0),
+    )  # fmt: skip
+    # A spy on the poll thread's turns: no statistic counts them.
+    turns: list[float] = []
+    poll_once = consumer._engine.poll_once
+
+    def counted(accept: bool, timeout: float) -> None:
+        turns.append(time.monotonic())
+        poll_once(accept, timeout)
+
+    monkeypatch.setattr(consumer._engine, "poll_once", counted)
+    running = Running(consumer)
+    try:
+        wait_until(lambda: log.count("ok") == 1, WAIT, "the second attempt")
+    finally:
+        assert running.stop() is None
+    events = log.snapshot()
+    failed_at = next(e.at for e in events if e.kind == "fail")
+    again_at = [e.at for e in events if e.kind == "start"][1]
+    assert again_at - failed_at >= 1.5  # it waited its backoff
+    during = [t for t in turns if failed_at < t < again_at]
+    # Polls of 50 ms: about 30 in the wait (at 2 ms, as before, about 750).
+    assert len(during) <= 60, len(during)
+
+
 async def test_async_handlers_are_retried_in_key_order(
     cluster: Cluster,
 ) -> None:
