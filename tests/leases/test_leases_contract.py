@@ -747,7 +747,7 @@ def test_close_stops_every_thread_the_provider_started(backend: Backend, name: s
     provider = backend.make()
     with pytest.raises(LockTimeout):
         provider.acquire(name, 5.0, timeout=0.2)  # starts the notification listener, if any
-    kept = provider.acquire(name + "-kept", at_most_for=0.3, keep_alive=True)
+    kept = provider.acquire(name + "-kept", at_most_for=1.0, keep_alive=True)
     wait_until(lambda: kept.stats().extensions >= 1)  # keep-alive workers ran
     provider.close()
 
