@@ -20,6 +20,7 @@ import pytest
 from reactivex import operators as ops
 from support.execution import WAIT, Gate, Outcome
 from support.stores import FakeClock
+from support.waiting import wait_until
 
 from rxcoord import (
     FleetAdmission,
@@ -318,10 +319,16 @@ def test_a_permit_reclaimed_while_its_job_runs_fails_the_job_with_lease_lost(
 
 
 class FlakyLeases(MemoryLeases):
-    """A memory provider whose permit steps raise ``failure`` while it is set (a store outage,
-    or an error the backend did not map)."""
+    """A memory provider whose permit steps raise ``failure`` (and whose release steps raise
+    ``release_failure``) while it is set: a store outage, or an error the backend did not map.
+    ``released``: the tokens of the permits its release steps gave back."""
 
     failure: Exception | None = None
+    release_failure: Exception | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[int] = []
 
     def _permits_acquire(self, group: str, *args: Any, **rates: Any) -> PermitReply:
         if self.failure is not None:
@@ -329,8 +336,9 @@ class FlakyLeases(MemoryLeases):
         return super()._permits_acquire(group, *args, **rates)
 
     def _permits_release(self, group: str, permits: Any, **options: Any) -> int:
-        if self.failure is not None:
-            raise self.failure
+        if self.release_failure is not None:
+            raise self.release_failure
+        self.released += [token for token, _ in permits]
         return super()._permits_release(group, permits, **options)
 
 
@@ -356,6 +364,27 @@ def test_new_jobs_fail_with_the_store_error_while_the_store_fails(failure: Excep
     assert stats.running == 0
     assert stats.fleet is not None
     assert stats.fleet.store_errors == 1
+    coordinator.close()
+    provider.close()
+
+
+def test_a_release_step_that_fails_unexpectedly_does_not_stop_later_releases() -> None:
+    """A release step that raises an error the backend did not map leaves its permits to
+    expire; the next permits still go back to the store (the release flush used to stay
+    marked as running, so no release was ever sent again)."""
+    provider = FlakyLeases()
+    provider.release_failure = RuntimeError("a bug in a backend (test)")
+    coordinator = TenantTaskCoordinator(name="releases", max_concurrency=2, fleet=provider)
+    assert coordinator.execute(lambda: 1).pipe(ops.timeout(WAIT)).run() == 1
+
+    def release_failed() -> bool:
+        fleet = coordinator.stats().fleet
+        return fleet is not None and fleet.store_errors == 1
+
+    wait_until(release_failed, what="the failed release step")
+    provider.release_failure = None
+    assert coordinator.execute(lambda: 2).pipe(ops.timeout(WAIT)).run() == 2
+    wait_until(lambda: len(provider.released) == 1, what="the second permit given back")
     coordinator.close()
     provider.close()
 

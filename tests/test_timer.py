@@ -55,6 +55,22 @@ def test_cancelled_timer_never_fires_and_leaves_the_count() -> None:
     assert timers.pending() == 0
 
 
+def test_pending_stays_exact_when_cancels_race_the_timer_thread() -> None:
+    # Cancels of timers whose deadlines are passing while the timer thread pops them: a cancel
+    # that marked its handle before the thread dropped it, and counted it after, counted a
+    # cancelled entry that was gone (pending() came out one short; in CI, 0 instead of 1).
+    for _ in range(10):
+        timers = Timers(name="rxcoord-timer-race")
+        handles = [timers.call_later(0.0005 * (i % 7), lambda: None) for i in range(3000)]
+        for handle in handles:
+            handle.cancel()
+        kept = timers.call_later(60, lambda: None)
+        time.sleep(0.01)  # past every deadline but the kept one's: the thread drops the rest
+        assert timers.pending() == 1
+        kept.cancel()
+        assert timers.pending() == 0
+
+
 def test_ten_thousand_pending_timers_use_one_thread() -> None:
     timers = Timers(name="rxcoord-timer-test")
     before = threading.active_count()

@@ -46,8 +46,7 @@ class TimerHandle:
     def cancel(self) -> None:
         """Withdraw the call if it has not run yet."""
         if self.callback is not None:
-            self.callback = None
-            self._owner._cancelled_one()
+            self._owner._cancel(self)
 
     # Only the deadline orders handles in the heap; equal deadlines keep insertion order via a
     # sequence number stored alongside (see Timers.call_later).
@@ -82,8 +81,13 @@ class Timers:
         with self._cond:
             return len(self._heap) - self._cancelled
 
-    def _cancelled_one(self) -> None:
+    def _cancel(self, handle: TimerHandle) -> None:
         with self._cond:
+            # Decided under the lock the timer thread pops under: a handle it took (to run it,
+            # or to drop it as cancelled) in between is not counted as a cancelled entry again.
+            if handle.callback is None:
+                return
+            handle.callback = None
             self._cancelled += 1
             # Cancelled entries stay in the heap until due; compact when they dominate so that
             # many cancelled long timeouts cannot pile up.
