@@ -126,7 +126,9 @@ def medians(contenders: dict[str, Callable[[], float]], repeat: int) -> dict[str
 
 def bench_rows(quick: bool, **options: object) -> list[tuple[str, str, str, str, str, str]]:
     """Rows for ``rxcoord bench``."""
-    jobs, repeat = (3_000, 3) if quick else (10_000, 5)
+    # Nine repetitions of half a second each: with five, the median moved by +/-10% between
+    # runs on the project's 2-core VM (0.92x-1.16x for the same code).
+    jobs, repeat = (3_000, 3) if quick else (10_000, 9)
     figures = medians(
         {
             "policy": lambda: with_policy(jobs),
